@@ -1,0 +1,71 @@
+"""FlexAttention: the scheme's ``score_mod`` fused into the attention kernel with a causal block mask.
+
+No (L × L) tensor exists on this path: the bias is computed per score inside the kernel, and the block mask
+(built once per length and cached) skips the blocks above the diagonal. On CUDA the kernel is compiled once
+and reused. On CPU, FlexAttention runs the forward only (torch has no CPU backward for it), so this backend
+refuses to run on CPU when gradients are needed rather than failing deep inside torch.
+
+Positions are assumed contiguous and shared by queries and keys (self-attention over one window): the kernel
+sees indices ``0..L-1`` and the mod receives them shifted by the window's first position.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from posenc.attention import register_backend
+from posenc.encodings.base import PositionalEncoding
+
+
+def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=32)
+def causal_block_mask(length: int, device: str) -> BlockMask:
+    """Causal block mask for one length, built once: building it costs more than a small forward."""
+    return create_block_mask(_causal, None, None, length, length, device=device)
+
+
+@functools.cache
+def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
+    """flex_attention compiled once per process (compiling per call would dominate the runtime)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def shifted(mod, offset: Tensor):  # noqa: ANN001, ANN201 - score_mod in, score_mod out
+    """The mod seen from absolute positions: kernel indices plus the window's first position."""
+
+    def at_positions(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return mod(score, b, h, q_idx + offset, kv_idx + offset)
+
+    return at_positions
+
+
+def flex_run(q: Tensor, k: Tensor, v: Tensor, score_mod, **kwargs):  # noqa: ANN001, ANN201
+    """Call FlexAttention with the causal block mask, compiled on CUDA and eager (forward only) elsewhere."""
+    length = q.shape[-2]
+    block_mask = causal_block_mask(length, str(q.device))
+    kernel = compiled_flex_attention() if q.is_cuda else flex_attention
+    return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
+
+
+def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> None:
+    if q.shape[-2] != k.shape[-2] or (q_pos is not k_pos and not torch.equal(q_pos, k_pos)):
+        raise ValueError("the flex backend handles self-attention over one window (q_pos == k_pos); use eager or sdpa")
+
+
+@register_backend("flex")
+def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    check_self_attention(q, k, q_pos, k_pos)
+    if not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(
+            "attention=flex cannot train on CPU: torch's FlexAttention has no CPU backward. "
+            "Use attention=sdpa (or attention=auto) on CPU; flex trains on CUDA."
+        )
+    mod = encoding.score_mod()
+    return flex_run(q, k, v, shifted(mod, q_pos[0]) if mod is not None else None)

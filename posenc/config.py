@@ -1,0 +1,64 @@
+"""Hydra plumbing shared by the entry points: where ``conf/`` is, resolvers, and config helpers."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from posenc.model import encoding_label
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _label(encoding: Any) -> str:
+    if encoding is None:
+        return "no-encoding"
+    if isinstance(encoding, DictConfig):
+        encoding = OmegaConf.to_container(encoding, resolve=True)
+    return encoding_label(encoding)
+
+
+def register_resolvers() -> None:
+    """``${posenc.label:${encoding}}``: the readable scheme name used in run names and directories."""
+    if not OmegaConf.has_resolver("posenc.label"):
+        OmegaConf.register_new_resolver("posenc.label", _label)
+
+
+def encoding_choices() -> list[str]:
+    """Names accepted by ``+encoding=``: the yaml files of ``conf/encoding``."""
+    return sorted(path.stem for path in (CONF_DIR / "encoding").glob("*.yaml"))
+
+
+def require_encoding(cfg: DictConfig, command: str, run_dir: Path | None = None) -> None:
+    """Exit with one line naming the choices when no scheme was given (the group has no default on purpose).
+
+    Hydra has already created the run directory by then; it holds nothing but Hydra's bookkeeping, so it is
+    removed (with any parents left empty) to leave nothing half-written behind.
+    """
+    if OmegaConf.select(cfg, "encoding") is None:
+        if run_dir is not None:
+            _remove_bookkeeping_only(run_dir)
+        raise SystemExit(
+            f"{command} needs a positional scheme: add +encoding=<name>, one of: {', '.join(encoding_choices())}"
+        )
+
+
+def _remove_bookkeeping_only(run_dir: Path) -> None:
+    if not run_dir.is_dir() or any(p.name not in (".hydra", "train.log") for p in run_dir.iterdir()):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    parent = run_dir.parent
+    while parent != parent.parent and parent.is_dir() and not any(parent.iterdir()) and parent != Path.cwd():
+        parent.rmdir()
+        parent = parent.parent
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """Resolved plain-Python copy of a config (what checkpoints and loggers store)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+
+
+register_resolvers()

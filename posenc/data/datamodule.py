@@ -1,0 +1,143 @@
+"""Lightning data module over a token stream: random training windows, fixed held-out windows.
+
+Training samples are windows at random offsets of the training stream, drawn from a generator seeded by
+(seed, sample index): any sample can be regenerated from its index, which makes runs reproducible and lets a
+resumed run continue with fresh samples instead of replaying the ones it already saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from posenc.data.cache import tokenized_splits
+from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
+from posenc.data.tokenizer import ByteTokenizer
+
+
+class RandomWindows(Dataset):
+    """``num_samples`` (input, target) pairs of ``seq_len`` tokens from random offsets of ``tokens``."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, num_samples: int, seed: int, start: int = 0) -> None:
+        if tokens.size < seq_len + 2:
+            raise ValueError(f"training stream has {tokens.size} tokens, fewer than seq_len={seq_len} + 1")
+        self.tokens, self.seq_len, self.num_samples, self.seed, self.start = tokens, seq_len, num_samples, seed, start
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.start + index])
+        offset = int(rng.integers(0, self.tokens.size - self.seq_len - 1))
+        window = torch.from_numpy(self.tokens[offset : offset + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+class ConsecutiveWindows(Dataset):
+    """Disjoint consecutive windows of ``seq_len`` from the start of a held-out stream (at most ``max_windows``)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, max_windows: int | None = None) -> None:
+        count = (tokens.size - 1) // seq_len
+        if count < 1:
+            raise ValueError(f"held-out stream of {tokens.size} tokens is shorter than one window of {seq_len}")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.count = count if max_windows is None else min(count, max_windows)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.seq_len
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+
+def load_corpus(kind: str, **options: Any) -> Corpus:
+    """Build a corpus from its config: ``stdlib``, ``text`` (``paths``) or ``hf`` (``path``, ``name``)."""
+    builders = {"stdlib": stdlib_corpus, "text": text_corpus, "hf": hf_corpus}
+    if kind not in builders:
+        raise ValueError(f"unknown corpus {kind!r}; available: {', '.join(builders)}")
+    return builders[kind](**options)
+
+
+class TextDataModule(L.LightningDataModule):
+    """Byte-level language modelling on a corpus, tokenised once and memory-mapped."""
+
+    def __init__(
+        self,
+        corpus: str = "stdlib",
+        corpus_options: dict[str, Any] | None = None,
+        seq_len: int = 64,
+        batch_size: int = 32,
+        num_samples: int = 19200,
+        val_windows: int | None = 256,
+        cache_dir: str = "~/.cache/posenc",
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tokenizer = ByteTokenizer()
+        self.corpus_kind, self.corpus_options = corpus, dict(corpus_options or {})
+        self.seq_len, self.batch_size, self.num_samples = seq_len, batch_size, num_samples
+        self.val_windows, self.cache_dir, self.num_workers, self.seed = val_windows, cache_dir, num_workers, seed
+        self.splits: dict[str, np.ndarray] | None = None
+        self.fingerprint: str | None = None
+        self.start_sample = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def prepare_data(self) -> None:
+        self.setup()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits is None:
+            corpus = load_corpus(self.corpus_kind, **self.corpus_options)
+            self.fingerprint = corpus.fingerprint
+            self.splits = tokenized_splits(corpus, self.tokenizer, self.cache_dir)
+
+    def stream(self, split: str) -> np.ndarray:
+        """The whole token stream of one split (``train``, ``validation`` or ``test``)."""
+        self.setup()
+        return self.splits[split]
+
+    def describe(self) -> dict[str, Any]:
+        """What to record in a run: corpus, fingerprint and split sizes."""
+        self.setup()
+        return {
+            "corpus": self.corpus_kind,
+            "fingerprint": self.fingerprint,
+            "tokens": {split: int(tokens.size) for split, tokens in self.splits.items()},
+        }
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = RandomWindows(self.stream("train"), self.seq_len, self.num_samples, self.seed, self.start_sample)
+        return self._loader(dataset)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(ConsecutiveWindows(self.stream("validation"), self.seq_len, self.val_windows))
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(ConsecutiveWindows(self.stream("test"), self.seq_len, self.val_windows))
+
+    def _loader(self, dataset: Dataset) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+
+def windows(tokens: Sequence[int] | np.ndarray, seq_len: int) -> torch.Tensor:
+    """Stack disjoint (seq_len + 1)-token windows from the start of ``tokens`` into (N, seq_len + 1)."""
+    array = np.asarray(tokens)
+    count = (array.size - 1) // seq_len
+    return torch.stack([torch.from_numpy(array[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64)) for i in range(count)])

@@ -1,0 +1,120 @@
+"""The contract every positional scheme implements.
+
+A scheme *declares* what it does to a decoder and the backbone composes it; nothing outside
+`posenc/encodings/` ever tests a scheme's name. Four words make up the contract:
+
+- ``embed(x, pos)``: absolute schemes add position information to the token embeddings once, at the input.
+- ``rotate(q, k, q_pos, k_pos)``: rotary schemes transform queries and keys inside every attention layer.
+- ``bias(q_pos, k_pos)``: the dense additive attention bias, computed the obvious way. It is the *reference*
+  that every fast path is tested against, never the fast path itself.
+- ``score_mod()``: the same bias as a FlexAttention score modification, so no (L × L) tensor is ever built.
+
+Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
+bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
+the O(L²) matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+# FlexAttention's score_mod signature: (score, batch, head, q_idx, kv_idx) -> score.
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+class PositionalEncoding(nn.Module):
+    """Base class: the identity scheme (no position information at all).
+
+    Subclasses override only the words they use. Class attributes let backbones and backends plan without
+    calling anything:
+
+    - ``name``: the registry key.
+    - ``absolute``: ``embed`` does something, so the scheme acts once on the input, not per layer.
+    - ``adds_bias``: ``bias``/``score_mod`` are not ``None``.
+    - ``rotates``: ``rotate`` is not the identity.
+    - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
+    """
+
+    name: ClassVar[str] = "base"
+    absolute: ClassVar[bool] = False
+    adds_bias: ClassVar[bool] = False
+    rotates: ClassVar[bool] = False
+
+    def __init__(self, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        if num_heads < 1 or head_dim < 1:
+            raise ValueError(f"num_heads and head_dim must be positive, got {num_heads=} {head_dim=}")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.max_positions: int | None = None
+
+    @property
+    def label(self) -> str:
+        """Readable name used in run names, W&B tags and reports."""
+        return self.name
+
+    @property
+    def members(self) -> list[PositionalEncoding]:
+        """The single schemes this one is made of (itself, unless it is a stack)."""
+        return [self]
+
+    @property
+    def learnable_bias(self) -> bool:
+        """True when the bias has trainable parameters, which changes how fast backends differentiate it."""
+        return self.adds_bias and any(p.requires_grad for p in self.parameters())
+
+    @property
+    def distance_only(self) -> bool:
+        """True when the bias is a function of ``i - j`` alone, so ``distance_bias`` describes it fully."""
+        return type(self).distance_bias is not PositionalEncoding.distance_bias
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        """Return ``x`` (B, L, dim) with absolute position information for positions ``pos`` (L,) added."""
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Transform queries (B, H, Lq, D) and keys (B, H, Lk, D) at positions ``q_pos`` (Lq,), ``k_pos`` (Lk,)."""
+        return q, k
+
+    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """Dense fp32 bias (H, Lq, Lk) added to the scaled scores before the causal mask, or ``None``.
+
+        Only entries with ``k_pos <= q_pos`` need to be meaningful: the causal mask removes the rest.
+        """
+        return None
+
+    def score_mod(self) -> ScoreMod | None:
+        """The bias as a FlexAttention score_mod over (q_idx, kv_idx), or ``None`` when there is no bias.
+
+        It must equal ``bias`` for positions ``q_idx``, ``kv_idx`` and keep its arithmetic in fp32.
+        """
+        if self.adds_bias:
+            raise NotImplementedError(f"{self.name} adds a bias but offers no score_mod")
+        return None
+
+    def distance_bias(self, num_distances: int) -> Tensor:
+        """fp32 bias (H, num_distances) for distances ``0 .. num_distances-1`` (only for distance-only schemes)."""
+        raise NotImplementedError(f"{self.name}'s bias is not a function of distance alone")
+
+    def constrain_(self) -> None:
+        """Project parameters back into their valid range after an optimiser step (KERPLE's positivity)."""
+
+    def check_length(self, length: int) -> None:
+        """Fail clearly when asked for more positions than the scheme can represent."""
+        if self.max_positions is not None and length > self.max_positions:
+            raise ValueError(
+                f"{self.label} supports at most {self.max_positions} positions but got a sequence of {length}; "
+                "it cannot extrapolate: evaluate at or below its max_positions, or train it with a larger one"
+            )
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}"
+
+
+def distances(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """Causal distance ``i - j`` (Lq, Lk) as fp32, the quantity every relative bias is a function of."""
+    return (q_pos[:, None] - k_pos[None, :]).to(torch.float32)

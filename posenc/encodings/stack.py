@@ -1,0 +1,87 @@
+"""A stack of schemes is itself a scheme: rotations apply in turn, biases add, score_mods add into one.
+
+This is what makes hybrids like ``rope+alibi`` a config rather than code: the backbone and the backends see
+one object honouring the contract and never learn that it has several members.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from posenc.encodings.base import PositionalEncoding, ScoreMod
+
+
+class Stack(PositionalEncoding):
+    """Several schemes applied together in one attention layer (and at the input, for absolute members)."""
+
+    name = "stack"
+
+    def __init__(self, members: list[PositionalEncoding]) -> None:
+        if not members:
+            raise ValueError("a stack needs at least one scheme")
+        first = members[0]
+        if any((m.num_heads, m.head_dim) != (first.num_heads, first.head_dim) for m in members):
+            raise ValueError("every member of a stack must be built for the same num_heads and head_dim")
+        super().__init__(num_heads=first.num_heads, head_dim=first.head_dim)
+        self.parts = nn.ModuleList(members)
+        finite = [m.max_positions for m in members if m.max_positions is not None]
+        self.max_positions = min(finite) if finite else None
+        # Instance attributes shadow the class-level declarations: a stack does what any member does.
+        self.absolute = any(m.absolute for m in members)
+        self.adds_bias = any(m.adds_bias for m in members)
+        self.rotates = any(m.rotates for m in members)
+
+    @property
+    def label(self) -> str:
+        return "+".join(m.label for m in self.parts)
+
+    @property
+    def members(self) -> list[PositionalEncoding]:
+        return [leaf for m in self.parts for leaf in m.members]
+
+    @property
+    def distance_only(self) -> bool:
+        return all(m.distance_only for m in self.parts if m.adds_bias)
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        for member in self.parts:
+            x = member.embed(x, pos)
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        for member in self.parts:
+            q, k = member.rotate(q, k, q_pos, k_pos)
+        return q, k
+
+    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        biases = [b for b in (m.bias(q_pos, k_pos) for m in self.parts) if b is not None]
+        if not biases:
+            return None
+        return sum(biases[1:], biases[0])
+
+    def score_mod(self) -> ScoreMod | None:
+        mods = [mod for mod in (m.score_mod() for m in self.parts) if mod is not None]
+        if not mods:
+            return None
+        if len(mods) == 1:
+            return mods[0]
+
+        # Each member's mod returns score + its bias, so chaining them adds every bias inside one kernel.
+        def fused(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            for mod in mods:
+                score = mod(score, b, h, q_idx, kv_idx)
+            return score
+
+        return fused
+
+    def distance_bias(self, num_distances: int) -> Tensor:
+        tables = [m.distance_bias(num_distances) for m in self.parts if m.adds_bias]
+        return sum(tables[1:], tables[0])
+
+    def constrain_(self) -> None:
+        for member in self.parts:
+            member.constrain_()
+
+    def check_length(self, length: int) -> None:
+        for member in self.parts:
+            member.check_length(length)

@@ -1,0 +1,49 @@
+"""xPos (Sun et al., 2023, "A Length-Extrapolatable Transformer"): RoPE with an exponential decay per channel.
+
+Queries are rotated like RoPE and scaled by ζ_i^(n/γ), keys by ζ_i^(-m/γ), so q_n · k_m carries
+ζ_i^((n-m)/γ): a per-channel decay with distance (the paper's Eq. 8–9), with
+ζ_i = (2i/d + 0.4) / 1.4 ∈ [0.29, 1) and scale base γ = 512. As in the reference (torchscale's ``XPOS``),
+positions are centred on the middle of the sequence before exponentiation, which leaves every product
+unchanged but keeps the factors near 1 in both directions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from posenc.encodings import register
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.rope import rotate_half
+
+
+@register
+class XPos(PositionalEncoding):
+    """Rotary embedding with query up-scaling and key down-scaling."""
+
+    name = "xpos"
+    rotates = True
+
+    def __init__(self, num_heads: int, head_dim: int, base: float = 10000.0, scale_base: float = 512.0) -> None:
+        super().__init__(num_heads, head_dim)
+        if head_dim % 2:
+            raise ValueError(f"xpos needs an even head_dim, got {head_dim}")
+        self.base = float(base)
+        self.scale_base = float(scale_base)
+        half = torch.arange(0, head_dim, 2, dtype=torch.float64)
+        self.register_buffer("inv_freq", (self.base ** (-half / head_dim)).float(), persistent=False)
+        self.register_buffer("zeta", ((half + 0.4 * head_dim) / (1.4 * head_dim)).float(), persistent=False)
+
+    def _rotate_scaled(self, x: Tensor, pos: Tensor, centre: Tensor, sign: float) -> Tensor:
+        theta = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (L, D/2)
+        exponent = sign * (pos - centre).to(torch.float32)[:, None] / self.scale_base
+        scale = self.zeta[None, :] ** exponent  # (L, D/2)
+        rotated = rotate_half(x, theta.cos(), theta.sin())
+        return (rotated * torch.cat((scale, scale), dim=-1)).to(x.dtype)
+
+    def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        centre = (k_pos[-1] + 2) // 2  # torchscale: positions run from -ceil(L/2)
+        return self._rotate_scaled(q, q_pos, centre, 1.0), self._rotate_scaled(k, k_pos, centre, -1.0)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, base={self.base}, scale_base={self.scale_base}"

@@ -1,0 +1,1 @@
+"""Extrapolation metrics: perplexity at growing lengths, loss by position, synthetic retrieval tasks."""

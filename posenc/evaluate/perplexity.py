@@ -1,0 +1,143 @@
+"""Perplexity at multiples of the training length, scoring the *same* tokens at every length.
+
+Two ways to cut a held-out stream into windows (the ALiBi paper, Section 4 and Appendix B):
+
+- ``nonoverlap``: disjoint windows of length L; token t is predicted from the tokens since its window began,
+  so early tokens of each window have little context. This is what the ALiBi paper's Table 2 reports.
+- ``sliding`` with ``stride`` s: windows of length L advance by s and only their last s targets are scored, so
+  every token (after the first L) sees L - s .. L - 1 tokens of context. ``stride = L`` is exactly ``nonoverlap``.
+
+The scored span is the first ``N`` targets of the stream, with N a multiple of every length, so each length's
+number is an average over identical tokens and lengths are directly comparable. Every figure states N.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LengthResult:
+    """Loss over ``tokens`` scored targets at one evaluation ``length`` (``error`` if the model refused it)."""
+
+    length: int
+    mode: str
+    stride: int | None
+    tokens: int
+    loss: float = float("nan")
+    error: str | None = None
+    loss_by_position: list[float] = field(default_factory=list)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.loss) if math.isfinite(self.loss) else float("nan")
+
+    @property
+    def bpb(self) -> float:
+        """Bits per byte: the loss in bits, since every token of the byte tokenizer is one byte."""
+        return self.loss / math.log(2)
+
+    def as_dict(self) -> dict:
+        return {
+            "length": self.length,
+            "mode": self.mode,
+            "stride": self.stride,
+            "tokens": self.tokens,
+            "loss": self.loss,
+            "ppl": self.ppl,
+            "bpb": self.bpb,
+            "error": self.error,
+            "loss_by_position": self.loss_by_position,
+        }
+
+
+def scored_span(available: int, lengths: Sequence[int], max_tokens: int | None) -> int:
+    """Largest N ≤ min(available - 1, max_tokens) that is a multiple of every length."""
+    step = math.lcm(*lengths)
+    limit = available - 1 if max_tokens is None else min(available - 1, max_tokens)
+    span = limit // step * step
+    if span == 0:
+        raise ValueError(
+            f"the held-out stream has {available} tokens, too few for one window of {max(lengths)} "
+            f"(the lengths' common multiple is {step}); evaluate at shorter lengths or on more data"
+        )
+    return span
+
+
+def _windows(span: int, length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(input start, input end, first scored target index within the window) covering targets 1..span."""
+    out = []
+    for end in range(stride, span + 1, stride):
+        start = max(0, end - length)
+        first_scored = end - stride - start  # score only the last `stride` targets of this window
+        out.append((start, end, first_scored))
+    return out
+
+
+@torch.no_grad()
+def evaluate_lengths(
+    model: nn.Module,
+    tokens: np.ndarray,
+    lengths: Sequence[int],
+    mode: str = "nonoverlap",
+    stride: int | None = None,
+    max_tokens: int | None = 65536,
+    tokens_per_batch: int = 16384,
+    device: torch.device | str | None = None,
+) -> list[LengthResult]:
+    """Loss, perplexity and bits per byte of ``model`` at each length over the same scored span of ``tokens``.
+
+    ``model`` maps tokens (B, L) to logits (B, L, V). A length the model cannot handle (a learned table too
+    short) is reported with its error instead of stopping the others. ``tokens_per_batch`` bounds memory: long
+    windows run at batch size 1.
+    """
+    if mode not in ("nonoverlap", "sliding"):
+        raise ValueError(f"eval mode must be 'nonoverlap' or 'sliding', got {mode!r}")
+    if mode == "sliding" and stride is None:
+        raise ValueError("eval mode 'sliding' needs a stride (eval.stride), e.g. half the training length")
+    device = device or next(model.parameters()).device
+    span = scored_span(len(tokens), lengths, max_tokens)
+    stream = torch.from_numpy(np.asarray(tokens[: span + 1]).astype(np.int64))
+    was_training = model.training
+    model.eval()
+    results = []
+    try:
+        for length in lengths:
+            step = length if mode == "nonoverlap" else min(stride, length)
+            result = LengthResult(length=length, mode=mode, stride=None if mode == "nonoverlap" else step, tokens=span)
+            limit = getattr(model, "max_positions", None)
+            if limit is not None and length > limit:
+                result.error = f"max_positions={limit} < {length}"
+                results.append(result)
+                continue
+            total = torch.zeros((), dtype=torch.float64)
+            by_position = torch.zeros(length, dtype=torch.float64)
+            position_count = torch.zeros(length, dtype=torch.float64)
+            full, partial = [], []
+            for window in _windows(span, length, step):
+                (full if window[1] - window[0] == length else partial).append(window)
+            batch = max(1, tokens_per_batch // length)
+            groups = [full[i : i + batch] for i in range(0, len(full), batch)] + [[w] for w in partial]
+            for group in groups:
+                inputs = torch.stack([stream[s:e] for s, e, _ in group]).to(device)
+                targets = torch.stack([stream[s + 1 : e + 1] for s, e, _ in group]).to(device)
+                logits = model(inputs)
+                losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").double().cpu()
+                for row, (s, e, first) in enumerate(group):
+                    total += losses[row, first:].sum()
+                    width = e - s
+                    by_position[:width] += losses[row]
+                    position_count[:width] += 1
+            result.loss = float(total / span)
+            result.loss_by_position = (by_position / position_count.clamp(min=1)).tolist()
+            results.append(result)
+    finally:
+        model.train(was_training)
+    return results

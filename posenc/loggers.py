@@ -1,0 +1,76 @@
+"""Experiment loggers from config: W&B (default, never blocks), CSV, or none.
+
+W&B must never hang or prompt: with ``mode: auto`` the run goes online only when an API key is configured and
+the W&B host answers within two seconds; otherwise it is written offline into the run directory and can be
+uploaded later with ``wandb sync``. ``WANDB_MODE`` in the environment always wins. wandb is imported only when
+the W&B logger is actually built.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import socket
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+
+def _api_key_configured() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def _reachable(url: str, timeout: float = 2.0) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_wandb_mode(requested: str) -> str:
+    """``online``/``offline``/``disabled``: the environment first, then the request, ``auto`` decided here."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if requested != "auto":
+        return requested
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return "online" if _api_key_configured() and _reachable(base_url) else "offline"
+
+
+def build_loggers(cfg: dict[str, Any], run_dir: Path, run_name: str, config: dict[str, Any], tags: list[str]) -> list[Logger]:
+    """The loggers the run asked for; ``tags`` (scheme, length, seed) are added to W&B's."""
+    kind = cfg.get("kind", "none")
+    if kind == "none":
+        return []
+    if kind == "csv":
+        return [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
+    if kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        mode = resolve_wandb_mode(cfg.get("mode", "auto"))
+        if mode == "disabled":
+            return []
+        logger = WandbLogger(
+            project=cfg.get("project", "posenc"),
+            entity=cfg.get("entity"),
+            name=run_name,
+            group=cfg.get("group"),
+            tags=sorted(set(tags) | set(cfg.get("tags") or [])),
+            save_dir=str(run_dir),
+            mode=mode,
+            config=config,
+        )
+        if mode == "offline":
+            print(f"W&B is offline; the run is in {run_dir}/wandb. Upload it later with: wandb sync {run_dir}/wandb/offline-run-*")
+        return [logger]
+    raise ValueError(f"unknown logger kind {kind!r}; use logger=wandb, logger=csv or logger=none")

@@ -1,0 +1,231 @@
+"""The one decoder backbone every scheme shares. It asks the scheme; it never names one.
+
+Positions reach the model in exactly two places, both through the scheme contract:
+the input (``embed``, for absolute schemes, applied once) and every attention layer (``rotate`` on q and k, then
+the bias through the attention backend). Each layer holds its own scheme instance, so learnable biases are per
+layer (as in KERPLE's and T5's code) and a per-layer schedule (``["rope", "rope", "rope", "nope"]``) is nothing
+more than building a different instance for some layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from posenc.attention import get_backend
+from posenc.encodings import build, scheme_class, stack_members
+from posenc.encodings.base import PositionalEncoding
+
+EncodingSpec = str | Sequence[str] | Mapping[str, Any] | PositionalEncoding
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; the scheme rotates q, k and the backend applies its bias."""
+
+    def __init__(self, dim: int, heads: int, encoding: PositionalEncoding, backend: str) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.encoding = encoding
+        self.backend_name = backend
+        self.backend = get_backend(backend)
+
+    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
+        q, k, v = rearrange(self.qkv(x), "b l (three h d) -> three b h l d", three=3, h=self.heads)
+        q, k = self.encoding.rotate(q, k, pos, pos)
+        out = self.backend(q, k, v, self.encoding, pos, pos)  # (B, H, L, D)
+        return self.proj(rearrange(out, "b h l d -> b l (h d)"))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, heads: int, encoding: PositionalEncoding, backend: str, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(dim)
+        self.attn = Attention(dim, heads, encoding, backend)
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim, bias=False), nn.GELU(), nn.Linear(mlp_ratio * dim, dim, bias=False))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), pos))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+def _split_spec(spec: EncodingSpec) -> tuple[list[str] | str | PositionalEncoding, dict[str, Any]]:
+    """Separate a spec into its name(s) and its options (``{"name": ..., **options}`` or a bare name/list)."""
+    if isinstance(spec, PositionalEncoding):
+        return spec, {}
+    if isinstance(spec, Mapping):
+        options = {key: value for key, value in spec.items() if key != "name"}
+        if "name" not in spec:
+            raise ValueError(f"encoding config {dict(spec)} has no 'name' (a scheme, 'a+b', or a per-layer list)")
+        spec = spec["name"]
+    else:
+        options = {}
+    if isinstance(spec, str):
+        return spec, options
+    entries = [str(entry) for entry in spec]
+    if not entries:
+        raise ValueError("an empty per-layer schedule: give at least one scheme, e.g. [rope, rope, rope, nope]")
+    return (entries[0] if len(entries) == 1 else entries), options
+
+
+def _member_options(entry: str, options: Mapping[str, Any], keyed: bool) -> dict[str, Any]:
+    """Options for one schedule entry: flat for a single uniform scheme, keyed by member name otherwise."""
+    if not keyed:
+        return dict(options)
+    parts = stack_members(entry)
+    if len(parts) == 1:
+        return dict(options.get(entry) or {})
+    return {part: dict(options[part]) for part in parts if part in options}
+
+
+def _split_absolute(entry: str) -> tuple[str | None, str | None]:
+    """Split ``"a+b+c"`` into the members acting on the input (absolute) and those acting in attention."""
+    parts = stack_members(entry)
+    absolute = [part for part in parts if scheme_class(part).absolute]
+    relative = [part for part in parts if not scheme_class(part).absolute]
+    return ("+".join(absolute) or None), ("+".join(relative) or None)
+
+
+def schedule_label(entries: Sequence[str]) -> str:
+    """Readable name of a per-layer schedule: runs collapsed, ``["rope"]*3 + ["nope"]`` → ``rope×3,nope``."""
+    runs: list[list[Any]] = []
+    for entry in entries:
+        if runs and runs[-1][0] == entry:
+            runs[-1][1] += 1
+        else:
+            runs.append([entry, 1])
+    return ",".join(name if count == 1 else f"{name}×{count}" for name, count in runs)
+
+
+def encoding_label(spec: EncodingSpec) -> str:
+    """Readable name of any encoding spec (a scheme, a stack, a schedule), without building it."""
+    names, _ = _split_spec(spec)
+    if isinstance(names, PositionalEncoding):
+        return names.label
+    return names if isinstance(names, str) else schedule_label(names)
+
+
+class Decoder(nn.Module):
+    """Decoder-only transformer: tokens (B, L) → logits (B, L, vocab_size).
+
+    ``encoding`` is a scheme name (``"alibi"``), a stack (``"rope+alibi"``), a per-layer schedule cycled over
+    the layers (``["rope", "rope", "rope", "nope"]``: layer i gets entry i mod 4), a config mapping
+    ``{"name": ..., **options}`` (flat options for one scheme; keyed by member name for stacks and schedules),
+    or a built ``PositionalEncoding`` shared by every layer.
+    """
+
+    def __init__(
+        self,
+        encoding: EncodingSpec,
+        vocab_size: int,
+        dim: int = 128,
+        depth: int = 4,
+        heads: int = 4,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        attention: str = "auto",
+        tie_embeddings: bool = True,
+    ) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim={dim} must be divisible by heads={heads}")
+        head_dim = dim // heads
+        self.label = encoding_label(encoding)
+        self.input_encoding, layer_encodings = self._build_encodings(encoding, depth, heads, head_dim)
+        self.token_embedding = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, layer_encodings[i], attention, mlp_ratio, dropout) for i in range(depth)
+        )
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        # GPT-2 initialisation of the backbone only (schemes initialise their own parameters): std 0.02, and
+        # residual projections scaled by 1/√(2·depth) so the residual stream's variance does not grow with depth.
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.qkv.weight, std=0.02)
+            nn.init.normal_(block.mlp[0].weight, std=0.02)
+            for proj in (block.attn.proj, block.mlp[-1]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * depth))
+        if tie_embeddings:
+            self.head.weight = self.token_embedding.weight
+        else:
+            nn.init.normal_(self.head.weight, std=0.02)
+
+    @staticmethod
+    def _build_encodings(spec: EncodingSpec, depth: int, heads: int, head_dim: int) -> tuple[PositionalEncoding | None, list[PositionalEncoding]]:
+        names, options = _split_spec(spec)
+        if isinstance(names, PositionalEncoding):
+            return names, [names] * depth
+        if isinstance(names, str):
+            absolute, relative = _split_absolute(names)
+            keyed = "+" in names  # a stack's options are keyed by member; a single scheme's are flat
+            input_encoding = None
+            if absolute is not None:
+                absolute_options = _member_options(absolute, options, keyed)
+                input_encoding = build(absolute, num_heads=heads, head_dim=head_dim, **absolute_options)
+            if relative is None:  # purely absolute: attention layers see no position at all
+                relative, options = "nope", {}
+            entries = [relative]
+        else:
+            for entry in names:
+                absolute, _ = _split_absolute(entry)
+                if absolute is not None:
+                    raise ValueError(
+                        f"absolute scheme {absolute!r} cannot sit in a per-layer schedule {list(names)}: it acts once "
+                        "on the input, not per layer. Put it in a stack for every layer (e.g. 'learned+alibi') instead"
+                    )
+            input_encoding, entries, keyed = None, list(names), True
+        layers = []
+        for i in range(depth):
+            entry = entries[i % len(entries)]
+            layers.append(build(entry, num_heads=heads, head_dim=head_dim, **_member_options(entry, options, keyed)))
+        return input_encoding, layers
+
+    @property
+    def layer_encodings(self) -> list[PositionalEncoding]:
+        """The scheme each layer uses, in order (for inspection and tests)."""
+        return [block.attn.encoding for block in self.blocks]
+
+    @property
+    def max_positions(self) -> int | None:
+        limits = [e.max_positions for e in [self.input_encoding, *self.layer_encodings] if e is not None]
+        finite = [limit for limit in limits if limit is not None]
+        return min(finite) if finite else None
+
+    def check_length(self, length: int) -> None:
+        """Raise a clear error when any scheme in the model cannot handle ``length`` positions."""
+        for encoding in {id(e): e for e in [self.input_encoding, *self.layer_encodings] if e is not None}.values():
+            encoding.check_length(length)
+
+    def constrain_(self) -> None:
+        """Project scheme parameters back into range (called after each optimiser step)."""
+        for module in self.modules():
+            if isinstance(module, PositionalEncoding) and module is not self:
+                module.constrain_()
+
+    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        length = tokens.shape[1]
+        self.check_length(offset + length)
+        pos = torch.arange(offset, offset + length, device=tokens.device)
+        x = self.token_embedding(tokens)
+        if self.input_encoding is not None:
+            x = self.input_encoding.embed(x, pos)
+        for block in self.blocks:
+            x = block(x, pos)
+        return self.head(self.norm(x))
+
+    def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy in nats, computed in fp32."""
+        logits = self(tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -1,0 +1,97 @@
+"""Corpora, tokenizer, atomic memmap cache and windows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from posenc.data.cache import tokenized_splits
+from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
+from posenc.data.datamodule import ConsecutiveWindows, RandomWindows, TextDataModule
+from posenc.data.tokenizer import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def stdlib() -> Corpus:
+    return stdlib_corpus()
+
+
+def test_stdlib_corpus_is_large_deterministic_and_held_out(stdlib: Corpus) -> None:
+    sizes = {split: sum(map(len, docs)) for split, docs in stdlib.documents.items()}
+    assert sum(sizes.values()) > 10_000_000
+    # held-out streams long enough to evaluate at 32× the default training length (64) many times over
+    assert min(sizes["validation"], sizes["test"]) > 100 * 32 * 64
+    assert stdlib_corpus().fingerprint == stdlib.fingerprint
+    train = set(stdlib.documents["train"])
+    assert not train & set(stdlib.documents["validation"])
+
+
+def test_byte_tokenizer_roundtrip() -> None:
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return 'ü'\n"
+    assert tok.decode(tok.encode(text)) == text
+    stream = tok.concat([b"ab", b"c"])
+    assert stream.tolist() == [97, 98, tok.eod, 99, tok.eod]
+
+
+def test_cache_is_written_once_and_atomically(tmp_path: Path) -> None:
+    corpus = Corpus("toy", {"train": [b"hello world"] * 3, "validation": [b"abc"], "test": [b"xyz"]})
+    splits = tokenized_splits(corpus, ByteTokenizer(), tmp_path)
+    assert ByteTokenizer().decode(splits["validation"]) == "abc"
+    folder = next(tmp_path.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "test.bin", "train.bin", "validation.bin"]
+    assert json.loads((folder / "meta.json").read_text())["fingerprint"] == corpus.fingerprint
+    mtime = (folder / "train.bin").stat().st_mtime_ns
+    tokenized_splits(corpus, ByteTokenizer(), tmp_path)
+    assert (folder / "train.bin").stat().st_mtime_ns == mtime  # reused, not rewritten
+
+
+def test_cache_leaves_nothing_half_written_on_failure(tmp_path: Path) -> None:
+    corpus = Corpus("toy", {"train": [b"hello"], "validation": [], "test": [b"x"]})
+    with pytest.raises(ValueError, match="empty validation split"):
+        tokenized_splits(corpus, ByteTokenizer(), tmp_path)
+    leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "train.bin"]
+    assert leftovers == []  # no meta.json, no temp files: the next run starts over
+
+
+def test_text_corpus(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x" * 1000)
+    corpus = text_corpus([str(tmp_path / "*.txt")])
+    sizes = {split: sum(map(len, docs)) for split, docs in corpus.documents.items()}
+    assert sizes == {"train": 900, "validation": 50, "test": 50}
+    with pytest.raises(FileNotFoundError, match="data=text found no files"):
+        text_corpus([str(tmp_path / "*.md")])
+
+
+def test_hf_corpus_fails_clearly_offline() -> None:
+    with pytest.raises((ImportError, RuntimeError), match=r"datasets package|could not load Hugging Face dataset"):
+        hf_corpus("wikitext", "wikitext-103-raw-v1")
+
+
+def test_random_windows_are_reproducible_and_shifted() -> None:
+    tokens = np.arange(1000, dtype=np.uint16)
+    data = RandomWindows(tokens, seq_len=16, num_samples=10, seed=3)
+    x, y = data[4]
+    assert torch.equal(y[:-1], x[1:]) and torch.equal(x, RandomWindows(tokens, 16, 10, 3)[4][0])
+    assert not torch.equal(x, RandomWindows(tokens, 16, 10, 4)[4][0])
+
+
+def test_consecutive_windows_cover_the_stream() -> None:
+    data = ConsecutiveWindows(np.arange(100, dtype=np.uint16), seq_len=10)
+    assert len(data) == 9
+    x, y = data[2]
+    assert x.tolist() == list(range(20, 30)) and y.tolist() == list(range(21, 31))
+
+
+def test_datamodule_describes_its_corpus(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("some text " * 500)
+    dm = TextDataModule(corpus="text", corpus_options={"paths": [str(tmp_path / "a.txt")]}, seq_len=8, batch_size=4,
+                        num_samples=8, cache_dir=str(tmp_path / "cache"))
+    info = dm.describe()
+    assert info["corpus"] == "text" and len(info["fingerprint"]) == 64 and info["tokens"]["train"] > 0
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 8) and y.shape == (4, 8)
