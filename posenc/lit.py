@@ -68,7 +68,9 @@ class LitDecoder(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         # No weight decay on norms, biases or scheme parameters (slopes, kernel parameters, bias tables):
         # decaying a distance-decay rate towards 0 would push every scheme towards NoPE.
-        scheme_params = {id(p) for m in self.model.modules() if isinstance(m, PositionalEncoding) for p in m.parameters()}
+        scheme_params = {
+            id(p) for m in self.model.modules() if isinstance(m, PositionalEncoding) for p in m.parameters()
+        }
         decay, no_decay = [], []
         for param in self.model.parameters():
             if not param.requires_grad:

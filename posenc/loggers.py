@@ -47,7 +47,9 @@ def resolve_wandb_mode(requested: str) -> str:
     return "online" if _api_key_configured() and _reachable(base_url) else "offline"
 
 
-def build_loggers(cfg: dict[str, Any], run_dir: Path, run_name: str, config: dict[str, Any], tags: list[str]) -> list[Logger]:
+def build_loggers(
+    cfg: dict[str, Any], run_dir: Path, run_name: str, config: dict[str, Any], tags: list[str]
+) -> list[Logger]:
     """The loggers the run asked for; ``tags`` (scheme, length, seed) are added to W&B's."""
     kind = cfg.get("kind", "none")
     if kind == "none":
@@ -71,6 +73,7 @@ def build_loggers(cfg: dict[str, Any], run_dir: Path, run_name: str, config: dic
             config=config,
         )
         if mode == "offline":
-            print(f"W&B is offline; the run is in {run_dir}/wandb. Upload it later with: wandb sync {run_dir}/wandb/offline-run-*")
+            print(f"W&B is offline; the run is in {run_dir}/wandb. Upload it later with:")
+            print(f"  wandb sync {run_dir}/wandb/offline-run-*")
         return [logger]
     raise ValueError(f"unknown logger kind {kind!r}; use logger=wandb, logger=csv or logger=none")

@@ -47,12 +47,16 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim: int, heads: int, encoding: PositionalEncoding, backend: str, mlp_ratio: int, dropout: float) -> None:
+    def __init__(
+        self, dim: int, heads: int, encoding: PositionalEncoding, backend: str, mlp_ratio: int, dropout: float
+    ) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(dim)
         self.attn = Attention(dim, heads, encoding, backend)
         self.mlp_norm = nn.RMSNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim, bias=False), nn.GELU(), nn.Linear(mlp_ratio * dim, dim, bias=False))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, mlp_ratio * dim, bias=False), nn.GELU(), nn.Linear(mlp_ratio * dim, dim, bias=False)
+        )
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, pos: Tensor) -> Tensor:
@@ -163,7 +167,9 @@ class Decoder(nn.Module):
             nn.init.normal_(self.head.weight, std=0.02)
 
     @staticmethod
-    def _build_encodings(spec: EncodingSpec, depth: int, heads: int, head_dim: int) -> tuple[PositionalEncoding | None, list[PositionalEncoding]]:
+    def _build_encodings(
+        spec: EncodingSpec, depth: int, heads: int, head_dim: int
+    ) -> tuple[PositionalEncoding | None, list[PositionalEncoding]]:
         names, options = _split_spec(spec)
         if isinstance(names, PositionalEncoding):
             return names, [names] * depth

@@ -51,7 +51,8 @@ def build_datamodule(config: dict[str, Any], num_samples: int) -> TextDataModule
 
 
 def print_final_eval(label: str, train_len: int, results: list[LengthResult]) -> None:
-    print(f"\nValidation perplexity of {label} trained at L={train_len} ({results[0].tokens} tokens scored at each length):")
+    scored = results[0].tokens
+    print(f"\nValidation perplexity of {label} trained at L={train_len} ({scored} tokens scored at each length):")
     print(f"  {'length':>7} {'×L':>4} {'loss':>8} {'ppl':>9} {'bits/byte':>9}")
     for r in results:
         if r.error:
@@ -86,9 +87,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), separator="/"
             ),
         ]
-    trainer = L.Trainer(
-        **trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir)
-    )
+    trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
     resume = config.get("resume")
     if resume == "last":
         resume = str(run_dir / "checkpoints" / "last.ckpt")

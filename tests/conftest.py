@@ -12,7 +12,7 @@ os.environ["WANDB_SILENT"] = "true"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-from posenc.encodings import available, build  # noqa: E402
+from posenc.encodings import available, build
 
 HEADS, HEAD_DIM = 4, 8
 

@@ -18,7 +18,7 @@ def _qkv(length: int = LENGTH, dtype: torch.dtype = torch.float32) -> tuple[torc
 
 def test_backend_registry() -> None:
     assert {"eager", "sdpa", "flex", "auto"} <= set(available_backends())
-    with pytest.raises(ValueError, match="unknown attention backend 'fast'.*eager"):
+    with pytest.raises(ValueError, match=r"unknown attention backend 'fast'.*eager"):
         get_backend("fast")
 
 
@@ -69,7 +69,10 @@ def test_flex_respects_window_offset(name: str) -> None:
     q, k, v = _qkv()
     with torch.no_grad():
         torch.testing.assert_close(
-            get_backend("flex")(q, k, v, enc, pos, pos), get_backend("eager")(q, k, v, enc, pos, pos), atol=2e-5, rtol=1e-4
+            get_backend("flex")(q, k, v, enc, pos, pos),
+            get_backend("eager")(q, k, v, enc, pos, pos),
+            atol=2e-5,
+            rtol=1e-4,
         )
 
 
@@ -77,7 +80,7 @@ def test_flex_refuses_cpu_training_clearly() -> None:
     enc = make("alibi")
     pos = torch.arange(8)
     q, k, v = (t.requires_grad_() for t in _qkv(8))
-    with pytest.raises(RuntimeError, match="cannot train on CPU.*attention=sdpa"):
+    with pytest.raises(RuntimeError, match=r"cannot train on CPU.*attention=sdpa"):
         get_backend("flex")(q, k, v, enc, pos, pos)
 
 
@@ -96,7 +99,7 @@ def test_bf16_close_to_fp32(name: str) -> None:
 def test_bias_is_added_before_the_mask() -> None:
     # A large positive bias on masked (future) entries must not leak: the mask comes after the bias.
     class FutureLover(type(make("alibi"))):
-        def bias(self, q_pos, k_pos):  # noqa: ANN001, ANN202
+        def bias(self, q_pos, k_pos):
             return 1e4 * (k_pos[None, None, :] > q_pos[None, :, None]).float().expand(self.num_heads, -1, -1)
 
     enc = FutureLover(HEADS, HEAD_DIM)

@@ -59,7 +59,9 @@ def test_small_model_is_the_papers_size() -> None:
 
 
 def test_missing_scheme_gives_one_line_and_writes_nothing(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "posenc.train"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "posenc.train"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr

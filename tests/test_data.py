@@ -89,8 +89,14 @@ def test_consecutive_windows_cover_the_stream() -> None:
 
 def test_datamodule_describes_its_corpus(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("some text " * 500)
-    dm = TextDataModule(corpus="text", corpus_options={"paths": [str(tmp_path / "a.txt")]}, seq_len=8, batch_size=4,
-                        num_samples=8, cache_dir=str(tmp_path / "cache"))
+    dm = TextDataModule(
+        corpus="text",
+        corpus_options={"paths": [str(tmp_path / "a.txt")]},
+        seq_len=8,
+        batch_size=4,
+        num_samples=8,
+        cache_dir=str(tmp_path / "cache"),
+    )
     info = dm.describe()
     assert info["corpus"] == "text" and len(info["fingerprint"]) == 64 and info["tokens"]["train"] > 0
     x, y = next(iter(dm.train_dataloader()))

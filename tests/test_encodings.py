@@ -158,7 +158,11 @@ def test_rope_partial_rotation_leaves_the_rest() -> None:
 def test_xpos_decays_with_distance() -> None:
     enc = make("xpos", heads=1, head_dim=16, scale_base=8)
     x = torch.ones(1, 1, 1, 16)
-    norms = [enc.rotate(x, x, torch.tensor([d]), torch.tensor([0]))[0].norm() * enc.rotate(x, x, torch.tensor([d]), torch.tensor([0]))[1].norm() for d in (0, 8, 16)]
+    norms = [
+        enc.rotate(x, x, torch.tensor([d]), torch.tensor([0]))[0].norm()
+        * enc.rotate(x, x, torch.tensor([d]), torch.tensor([0]))[1].norm()
+        for d in (0, 8, 16)
+    ]
     assert norms[0] > norms[1] > norms[2]
 
 
@@ -174,7 +178,7 @@ def test_sinusoidal_embedding_values() -> None:
 def test_learned_refuses_positions_beyond_its_table() -> None:
     enc = make("learned", max_positions=16)
     enc.embed(torch.zeros(1, 16, 32), torch.arange(16))
-    with pytest.raises(ValueError, match="at most 16 positions.*32"):
+    with pytest.raises(ValueError, match=r"at most 16 positions.*32"):
         enc.embed(torch.zeros(1, 32, 32), torch.arange(32))
 
 

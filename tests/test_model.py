@@ -14,7 +14,7 @@ VOCAB = 50
 HYBRIDS = ["rope+alibi", ["rope", "rope", "rope", "nope"], ["rope+alibi", "nope"]]
 
 
-def tiny(encoding, **kwargs) -> Decoder:  # noqa: ANN001
+def tiny(encoding, **kwargs) -> Decoder:
     if encoding == "learned":
         encoding = {"name": "learned", "max_positions": 32}
     kwargs = {"vocab_size": VOCAB, "dim": 32, "depth": 2, "heads": 4, "attention": "sdpa", **kwargs}
@@ -22,13 +22,13 @@ def tiny(encoding, **kwargs) -> Decoder:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("name", [*SCHEMES, *HYBRIDS], ids=str)
-def test_output_shape(name) -> None:  # noqa: ANN001
+def test_output_shape(name) -> None:
     model = tiny(name, depth=4)
     assert model(torch.randint(0, VOCAB, (3, 17))).shape == (3, 17, VOCAB)
 
 
 @pytest.mark.parametrize("name", [*SCHEMES, *HYBRIDS], ids=str)
-def test_causality(name) -> None:  # noqa: ANN001
+def test_causality(name) -> None:
     model = tiny(name, depth=4)
     tokens = torch.randint(0, VOCAB, (2, 24))
     changed = tokens.clone()
@@ -40,7 +40,7 @@ def test_causality(name) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("name", [*RELATIVE_SCHEMES, *HYBRIDS], ids=str)
-def test_relative_schemes_are_shift_invariant(name) -> None:  # noqa: ANN001
+def test_relative_schemes_are_shift_invariant(name) -> None:
     model = tiny(name, depth=4)
     tokens = torch.randint(0, VOCAB, (2, 20))
     with torch.no_grad():

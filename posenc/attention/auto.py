@@ -21,5 +21,7 @@ def choose(encoding: PositionalEncoding, is_cuda: bool) -> str:
 
 
 @register_backend("auto")
-def auto_attention(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+def auto_attention(
+    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+) -> Tensor:
     return get_backend(choose(encoding, q.is_cuda))(q, k, v, encoding, q_pos, k_pos)

@@ -12,13 +12,14 @@ sees indices ``0..L-1`` and the mod receives them shifted by the window's first 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from posenc.attention import register_backend
-from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.base import PositionalEncoding, ScoreMod
 
 
 def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -37,7 +38,7 @@ def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
     return torch.compile(flex_attention, dynamic=False)
 
 
-def shifted(mod, offset: Tensor):  # noqa: ANN001, ANN201 - score_mod in, score_mod out
+def shifted(mod: ScoreMod, offset: Tensor) -> ScoreMod:
     """The mod seen from absolute positions: kernel indices plus the window's first position."""
 
     def at_positions(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -46,7 +47,7 @@ def shifted(mod, offset: Tensor):  # noqa: ANN001, ANN201 - score_mod in, score_
     return at_positions
 
 
-def flex_run(q: Tensor, k: Tensor, v: Tensor, score_mod, **kwargs):  # noqa: ANN001, ANN201
+def flex_run(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, **kwargs: Any) -> Any:
     """Call FlexAttention with the causal block mask, compiled on CUDA and eager (forward only) elsewhere."""
     length = q.shape[-2]
     block_mask = causal_block_mask(length, str(q.device))

@@ -32,7 +32,9 @@ def _atomic_write(path: Path, write) -> None:  # noqa: ANN001 - write(file objec
 
 def tokenized_splits(corpus: Corpus, tokenizer: ByteTokenizer, cache_dir: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read-only token streams per split, tokenising and caching them on first use."""
-    folder = Path(cache_dir).expanduser() / f"{corpus.name.replace('/', '_').replace(':', '_')}-{corpus.fingerprint[:16]}"
+    folder = (
+        Path(cache_dir).expanduser() / f"{corpus.name.replace('/', '_').replace(':', '_')}-{corpus.fingerprint[:16]}"
+    )
     meta_path = folder / "meta.json"
     if not meta_path.exists():
         sizes = {}

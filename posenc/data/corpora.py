@@ -49,8 +49,10 @@ def _held_out(key: str, val_percent: float, test_percent: float) -> str:
 
 
 def _split_files(files: Sequence[Path], val_percent: float, test_percent: float) -> dict[str, list[bytes]]:
-    """Split by a hash of each file's *content*: empty files are dropped and exact duplicates kept once, so no
-    held-out document also appears in training."""
+    """Split files by a hash of their *content*.
+
+    Empty files are dropped and exact duplicates kept once, so no held-out document also appears in training.
+    """
     documents: dict[str, list[bytes]] = {split: [] for split in SPLITS}
     seen: set[str] = set()
     for path in files:
@@ -80,7 +82,9 @@ def stdlib_corpus(val_percent: float = 2.0, test_percent: float = 2.0, min_bytes
 
 def text_corpus(paths: Sequence[str], val_percent: float = 5.0, test_percent: float = 5.0) -> Corpus:
     """Local text files. Several files split by file; a single file split into its last percentages."""
-    files = sorted({Path(p).resolve() for pattern in paths for p in glob.glob(os.path.expanduser(pattern), recursive=True)})
+    files = sorted(
+        {Path(p).resolve() for pattern in paths for p in glob.glob(os.path.expanduser(pattern), recursive=True)}
+    )
     files = [f for f in files if f.is_file()]
     if not files:
         raise FileNotFoundError(f"data=text found no files for {list(paths)}: set data.paths to files or globs")
@@ -92,7 +96,11 @@ def text_corpus(paths: Sequence[str], val_percent: float = 5.0, test_percent: fl
     test_start = int(n * (1 - test_percent / 100))
     return Corpus(
         name="text",
-        documents={"train": [data[:val_start]], "validation": [data[val_start:test_start]], "test": [data[test_start:]]},
+        documents={
+            "train": [data[:val_start]],
+            "validation": [data[val_start:test_start]],
+            "test": [data[test_start:]],
+        },
     )
 
 

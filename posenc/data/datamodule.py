@@ -140,4 +140,6 @@ def windows(tokens: Sequence[int] | np.ndarray, seq_len: int) -> torch.Tensor:
     """Stack disjoint (seq_len + 1)-token windows from the start of ``tokens`` into (N, seq_len + 1)."""
     array = np.asarray(tokens)
     count = (array.size - 1) // seq_len
-    return torch.stack([torch.from_numpy(array[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64)) for i in range(count)])
+    return torch.stack(
+        [torch.from_numpy(array[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64)) for i in range(count)]
+    )

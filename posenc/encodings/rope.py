@@ -45,7 +45,7 @@ class RoPE(PositionalEncoding):
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
 
     def angles(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin (L, r/2) of position × frequency, in fp32."""
+        """Cos and sin (L, r/2) of position × frequency, in fp32."""
         theta = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return theta.cos(), theta.sin()
 

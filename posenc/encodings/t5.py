@@ -38,7 +38,9 @@ class T5Bias(PositionalEncoding):
     def __init__(self, num_heads: int, head_dim: int, num_buckets: int = 32, max_distance: int = 128) -> None:
         super().__init__(num_heads, head_dim)
         if num_buckets < 2 or max_distance <= num_buckets // 2:
-            raise ValueError(f"need num_buckets ≥ 2 and max_distance > num_buckets/2, got {num_buckets}, {max_distance}")
+            raise ValueError(
+                f"need num_buckets ≥ 2 and max_distance > num_buckets/2, got {num_buckets}, {max_distance}"
+            )
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         # HF T5 initialises the table with std d_model^-0.5.
