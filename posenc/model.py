@@ -204,6 +204,12 @@ class Decoder(nn.Module):
         return [block.attn.encoding for block in self.blocks]
 
     @property
+    def scheme_names(self) -> list[str]:
+        """Names of every single scheme the model uses, once each (for tags and filters)."""
+        encodings = [e for e in [self.input_encoding, *self.layer_encodings] if e is not None]
+        return list(dict.fromkeys(member.name for e in encodings for member in e.members))
+
+    @property
     def max_positions(self) -> int | None:
         limits = [e.max_positions for e in [self.input_encoding, *self.layer_encodings] if e is not None]
         finite = [limit for limit in limits if limit is not None]

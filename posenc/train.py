@@ -1,8 +1,8 @@
 """``python -m posenc.train +encoding=<scheme>``: train the shared decoder with one positional scheme.
 
-Hydra composes the config (``conf/train.yaml``), Lightning trains, and the run ends by printing validation
-perplexity at 1×, 2× and 4× the training length. Everything a run writes lands in its directory under
-``outputs/``: the resolved config, checkpoints, logs, and ``final_eval.json``.
+Hydra composes the config (``conf/train.yaml``), Lightning trains, and the run ends with the extrapolation
+evaluation (perplexity at 1×…32× the training length, printed and written to ``<run>/eval``). Everything a
+run writes lands in its directory under ``outputs/``: the resolved config, checkpoints, logs, ``run.json``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
 from omegaconf import DictConfig
 
 from posenc.config import CONF_DIR, require_encoding, to_container
-from posenc.data.datamodule import TextDataModule
-from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
+from posenc.data.datamodule import TaskDataModule, TextDataModule
+from posenc.evaluate.runner import ExtrapolationEval
 from posenc.lit import LitDecoder
 from posenc.loggers import build_loggers
 
@@ -35,30 +35,35 @@ def resolve_precision(requested: str, accelerator: str) -> str:
     return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
 
 
-def build_datamodule(config: dict[str, Any], num_samples: int) -> TextDataModule:
+def build_datamodule(config: dict[str, Any], num_samples: int) -> TextDataModule | TaskDataModule:
+    """The data module a ``data`` config describes: a synthetic ``task`` or a text ``corpus``."""
     data = config["data"]
+    common = {
+        "seq_len": data["seq_len"],
+        "batch_size": data["batch_size"],
+        "num_samples": num_samples,
+        "val_windows": data.get("val_windows"),
+        "num_workers": data.get("num_workers", 0),
+        "seed": config["seed"],
+    }
+    if "task" in data:
+        return TaskDataModule(task=data["task"], **common)
     return TextDataModule(
-        corpus=data["corpus"],
-        corpus_options=data.get("corpus_options"),
-        seq_len=data["seq_len"],
-        batch_size=data["batch_size"],
-        num_samples=num_samples,
-        val_windows=data.get("val_windows"),
-        cache_dir=data["cache_dir"],
-        num_workers=data.get("num_workers", 0),
-        seed=config["seed"],
+        corpus=data["corpus"], corpus_options=data.get("corpus_options"), cache_dir=data["cache_dir"], **common
     )
 
 
-def print_final_eval(label: str, train_len: int, results: list[LengthResult]) -> None:
-    scored = results[0].tokens
-    print(f"\nValidation perplexity of {label} trained at L={train_len} ({scored} tokens scored at each length):")
-    print(f"  {'length':>7} {'×L':>4} {'loss':>8} {'ppl':>9} {'bits/byte':>9}")
-    for r in results:
-        if r.error:
-            print(f"  {r.length:>7} {r.length // train_len:>4} {'n/a':>8} {'n/a':>9} {'':>9}  ({r.error})")
-        else:
-            print(f"  {r.length:>7} {r.length // train_len:>4} {r.loss:>8.4f} {r.ppl:>9.3f} {r.bpb:>9.4f}")
+def run_info(config: dict[str, Any], label: str, data_info: dict[str, Any]) -> dict[str, Any]:
+    """What identifies a run in results files and the report."""
+    return {
+        "label": label,
+        "encoding": config["encoding"],
+        "train_len": config["data"]["seq_len"],
+        "seed": config["seed"],
+        "model": config["model"],
+        "data": data_info,
+        "run_name": config["run_name"],
+    }
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -76,10 +81,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     data_info = datamodule.describe()
     module = LitDecoder(config, vocab_size=datamodule.vocab_size)
     label = module.model.label
+    info = run_info(config, label, data_info)
     seq_len = config["data"]["seq_len"]
-    tags = [label, f"L{seq_len}", f"seed{config['seed']}", *(m.name for m in _schemes(module))]
+    tags = [label, f"L{seq_len}", f"seed{config['seed']}", *module.model.scheme_names]
     loggers = build_loggers(config["logger"], run_dir, config["run_name"], {**config, "data_info": data_info}, tags)
-    callbacks = [ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)]
+    callbacks: list[Callback] = [ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)]
     if loggers:  # both only log, and refuse to run without a logger
         callbacks += [
             LearningRateMonitor(logging_interval="step"),
@@ -87,6 +93,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), separator="/"
             ),
         ]
+    evaluation = None
+    if config["eval"]["at_end"]:
+        task = config["data"].get("task")
+        evaluation = ExtrapolationEval(
+            info, config["eval"], run_dir / "eval", lambda: datamodule.stream(config["eval"]["split"]), task
+        )
+        callbacks.append(evaluation)
     trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
     resume = config.get("resume")
     if resume == "last":
@@ -94,37 +107,18 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     summary: dict[str, Any] = {
-        "label": label,
-        "encoding": config["encoding"],
-        "train_len": seq_len,
-        "seed": config["seed"],
+        **info,
         "steps": trainer.global_step,
         "train_seconds": time.perf_counter() - started,
-        "data": data_info,
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
+        "eval": evaluation.results["summary"] if evaluation is not None and evaluation.results else None,
     }
-    if config["final_eval"]["enabled"] and trainer.is_global_zero:
-        lengths = [m * seq_len for m in config["final_eval"]["multiples"]]
-        results = evaluate_lengths(
-            module.model, datamodule.stream("validation"), lengths, max_tokens=config["final_eval"]["max_tokens"]
-        )
-        print_final_eval(label, seq_len, results)
-        summary["final_eval"] = [r.as_dict() | {"loss_by_position": None} for r in results]
-        metrics = {f"final/ppl@{r.length // seq_len}x": r.ppl for r in results if not r.error}
-        for logger in loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
     if trainer.is_global_zero:
         (run_dir / "run.json").write_text(json.dumps(summary, indent=2, default=_json_default))
     for logger in loggers:
         logger.finalize("success")
     return summary
-
-
-def _schemes(module: LitDecoder) -> list:
-    encodings = [module.model.input_encoding, *module.model.layer_encodings]
-    leaves = {m.name: m for e in encodings if e is not None for m in e.members}
-    return list(leaves.values())
 
 
 def _json_default(value: Any) -> Any:

@@ -15,7 +15,14 @@ FAST = [
     "data.batch_size=4",
     "data.seq_len=16",
     "data.val_windows=4",
-    "final_eval.max_tokens=256",
+    "eval.max_tokens=256",
+    "eval.multiples=[1,2,4]",
+    "eval.passkey.multiples=[1,2]",
+    "eval.passkey.samples=4",
+    "eval.passkey.depths=[0.0,1.0]",
+    "eval.copy.multiples=[1,2]",
+    "eval.copy.samples=4",
+    "eval.plots=false",
 ]
 
 

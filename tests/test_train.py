@@ -25,7 +25,8 @@ def test_three_steps_per_scheme(name: str, tmp_path: Path) -> None:
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
     saved = json.loads((tmp_path / "run.json").read_text())
     assert saved["data"]["fingerprint"] and saved["label"] == summary["label"]
-    evals = {row["length"]: row for row in saved["final_eval"]}
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    evals = {row["length"]: row for row in results["perplexity"]}
     assert sorted(evals) == [16, 32, 64]
     if name == "learned":  # a table of 16 rows cannot score 32 or 64 positions, and says so
         assert evals[32]["error"] and evals[64]["error"] and evals[16]["ppl"] > 1
@@ -44,7 +45,7 @@ def test_csv_logger_records_metrics(tmp_path: Path) -> None:
     overrides = [o for o in FAST if not o.startswith("logger")] + ["logger=csv", "trainer.log_every_n_steps=1"]
     train(compose_train("+encoding=alibi", *overrides), tmp_path)
     header = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
-    for column in ("train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW", "final/ppl@2x"):
+    for column in ("train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW", "eval/ppl@2x", "eval/ppl_ratio@4x"):
         assert column in header
 
 
@@ -65,7 +66,7 @@ def test_cli_runs_end_to_end(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "posenc.train", "+encoding=alibi", *FAST]
     result = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "Validation perplexity of alibi trained at L=16" in result.stdout
+    assert "Perplexity of alibi trained at L=16" in result.stdout
     run_dirs = list((tmp_path / "outputs" / "runs" / "alibi-L16-s0").iterdir())
     assert len(run_dirs) == 1 and (run_dirs[0] / ".hydra" / "config.yaml").exists()
 

@@ -7,7 +7,6 @@ resumed run continue with fresh samples instead of replaying the ones it already
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -18,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from posenc.data.cache import tokenized_splits
 from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
 from posenc.data.tokenizer import ByteTokenizer
+from posenc.evaluate.tasks import TaskDataset
 
 
 class RandomWindows(Dataset):
@@ -136,10 +136,38 @@ class TextDataModule(L.LightningDataModule):
         )
 
 
-def windows(tokens: Sequence[int] | np.ndarray, seq_len: int) -> torch.Tensor:
-    """Stack disjoint (seq_len + 1)-token windows from the start of ``tokens`` into (N, seq_len + 1)."""
-    array = np.asarray(tokens)
-    count = (array.size - 1) // seq_len
-    return torch.stack(
-        [torch.from_numpy(array[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64)) for i in range(count)]
-    )
+class TaskDataModule(L.LightningDataModule):
+    """A synthetic task (``passkey`` or ``copy``) generated on the fly at the training length."""
+
+    def __init__(
+        self,
+        task: str,
+        seq_len: int = 64,
+        batch_size: int = 32,
+        num_samples: int = 19200,
+        val_windows: int | None = 256,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tokenizer = ByteTokenizer()
+        self.task, self.seq_len, self.batch_size, self.num_samples = task, seq_len, batch_size, num_samples
+        self.val_samples, self.num_workers, self.seed = val_windows or 256, num_workers, seed
+        self.start_sample = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def describe(self) -> dict[str, Any]:
+        return {"task": self.task, "seed": self.seed}
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(TaskDataset(self.task, self.seq_len, self.num_samples, self.seed, self.start_sample))
+
+    def val_dataloader(self) -> DataLoader:
+        # A different seed stream from training: validation keys are never training keys.
+        return self._loader(TaskDataset(self.task, self.seq_len, self.val_samples, self.seed + 1_000_003))
+
+    def _loader(self, dataset: Dataset) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers)

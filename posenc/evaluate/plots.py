@@ -1,0 +1,76 @@
+"""Matplotlib figures for one run and for a comparison of runs (Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import itertools
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def smooth(values: Sequence[float], bins: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of ``values`` in log-spaced position bins, so both the first tokens and far positions stay readable."""
+    array = np.asarray(values, dtype=float)
+    edges = np.unique(np.geomspace(1, len(array), num=min(bins, len(array)) + 1).astype(int))
+    centres = [(lo + hi - 1) / 2 for lo, hi in itertools.pairwise(edges)]
+    means = [array[lo - 1 : hi - 1].mean() for lo, hi in itertools.pairwise(edges)]
+    return np.asarray(centres), np.asarray(means)
+
+
+def plot_lines(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]],
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    train_len: int | None = None,
+    logx: bool = True,
+    logy: bool = False,
+) -> Path:
+    """One line (with an optional ± band) per series name: {name: (x, y, std or None)}."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (x, y, std) in series.items():
+        x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+        ax.plot(x, y, marker="o" if len(x) < 20 else None, markersize=3, label=name)
+        if std is not None:
+            std = np.asarray(std, dtype=float)
+            ax.fill_between(x, y - std, y + std, alpha=0.2)
+    if train_len is not None:
+        ax.axvline(train_len, color="grey", linestyle="--", linewidth=1, label=f"training length {train_len}")
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_heatmap(
+    matrix: np.ndarray, rows: Sequence, cols: Sequence, path: Path, title: str, xlabel: str, ylabel: str
+) -> Path:
+    """Accuracy grid (e.g. passkey: depth × length), 0..1, values printed in the cells."""
+    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(cols), 1.0 + 0.5 * len(rows)))
+    image = ax.imshow(matrix, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+    for (i, j), value in np.ndenumerate(matrix):
+        ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black", fontsize=7)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,290 @@
+"""Evaluate one trained model for extrapolation and write every figure: JSON, CSV, PNG, and W&B.
+
+Used both at the end of training (``ExtrapolationEval`` callback) and by ``python -m posenc.evaluate``. The
+output folder (``<run>/eval/`` by default) holds ``results.json`` (everything, the file ``posenc.report``
+reads), ``perplexity.csv``, ``loss_by_position.csv``, task CSVs and plots.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+from torch import nn
+
+from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
+from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
+from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
+
+RESULTS_FILE = "results.json"
+
+
+def supported(lengths: list[int], model: nn.Module) -> list[int]:
+    limit = getattr(model, "max_positions", None)
+    return [length for length in lengths if limit is None or length <= limit]
+
+
+def evaluate_model(
+    model: nn.Module,
+    *,
+    run_info: dict[str, Any],
+    eval_cfg: dict[str, Any],
+    stream: np.ndarray | None,
+    task: str | None,
+) -> dict[str, Any]:
+    """All extrapolation figures of ``model`` as one JSON-ready dict.
+
+    ``run_info`` carries label, train_len, seed, encoding; ``stream`` is the held-out token stream for
+    language-modelling runs (``None`` for task runs); ``task`` is the synthetic task a model was trained on.
+    """
+    train_len = int(run_info["train_len"])
+    lengths = [int(m * train_len) for m in eval_cfg["multiples"]]
+    results: dict[str, Any] = {**run_info, "eval": {k: v for k, v in eval_cfg.items() if k != "plots"}}
+    batch_tokens = eval_cfg.get("tokens_per_batch", 16384)
+    if stream is not None:
+        available = [length for length in lengths if length < len(stream)]
+        rows = evaluate_lengths(
+            model,
+            stream,
+            available,
+            mode=eval_cfg["mode"],
+            stride=eval_cfg.get("stride"),
+            max_tokens=eval_cfg.get("max_tokens"),
+            tokens_per_batch=batch_tokens,
+        )
+        base = next((r for r in rows if r.length == train_len and not r.error), None)
+        results["perplexity"] = [
+            r.as_dict() | {"multiple": r.length / train_len, "ratio": _ratio(r, base), "loss_by_position": None}
+            for r in rows
+        ]
+        results["loss_by_position"] = {str(r.length): r.loss_by_position for r in rows if not r.error}
+    seed = int(eval_cfg.get("seed", 1234))
+    for name in ("passkey", "copy"):
+        options = eval_cfg.get(name) or {}
+        enabled = options.get("enabled", "auto")
+        if enabled is True or (enabled == "auto" and task == name):
+            task_lengths = supported([int(m * train_len) for m in options["multiples"]], model)
+            if name == "passkey":
+                results["passkey"] = evaluate_passkey(
+                    model, task_lengths, options["depths"], options["samples"], seed, batch_tokens
+                )
+            else:
+                results["copy"] = evaluate_copy(model, task_lengths, options["samples"], seed, batch_tokens)
+    results["summary"] = summary_metrics(results)
+    return results
+
+
+def _ratio(row: LengthResult, base: LengthResult | None) -> float | None:
+    if row.error or base is None:
+        return None
+    return row.ppl / base.ppl
+
+
+def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """Flat ``ppl@4x``-style numbers: what W&B summaries, dashboards and the report compare."""
+    out: dict[str, float] = {}
+    for row in results.get("perplexity", []):
+        if row["error"] is None:
+            tag = _multiple_tag(row["multiple"])
+            out[f"ppl@{tag}"] = row["ppl"]
+            out[f"bpb@{tag}"] = row["bpb"]
+            if row["ratio"] is not None:
+                out[f"ppl_ratio@{tag}"] = row["ratio"]
+    train_len = results["train_len"]
+    for name in ("passkey", "copy"):
+        by_length: dict[int, list[float]] = {}
+        for row in results.get(name, []):
+            by_length.setdefault(row["length"], []).append(row["accuracy"])
+        for length, accs in by_length.items():
+            out[f"{name}_acc@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
+    return out
+
+
+def _multiple_tag(multiple: float) -> str:
+    return f"{int(multiple)}x" if float(multiple).is_integer() else f"{multiple:g}x"
+
+
+def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
+    """results.json, CSVs and PNGs under ``out_dir``; returns the PNGs written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1, default=_finite))
+    label, train_len = results["label"], results["train_len"]
+    images: list[Path] = []
+    if "perplexity" in results:
+        _write_csv(out_dir / "perplexity.csv", results["perplexity"], exclude={"loss_by_position"})
+        longest = max(results["loss_by_position"], key=int, default=None)
+        if longest is not None:
+            curve = results["loss_by_position"][longest]
+            _write_csv(out_dir / "loss_by_position.csv", [{"position": i, "loss": v} for i, v in enumerate(curve)])
+        if plots:
+            ok = [r for r in results["perplexity"] if r["error"] is None]
+            images.append(
+                plot_lines(
+                    {label: ([r["length"] for r in ok], [r["ppl"] for r in ok], None)},
+                    out_dir / "ppl_vs_length.png",
+                    f"{label}: perplexity vs evaluation length",
+                    "evaluation length (tokens)",
+                    "perplexity",
+                    train_len=train_len,
+                )
+            )
+            if longest is not None:
+                x, y = smooth(results["loss_by_position"][longest])
+                images.append(
+                    plot_lines(
+                        {label: (x, y, None)},
+                        out_dir / "loss_by_position.png",
+                        f"{label}: loss by position (windows of {longest})",
+                        "position in window",
+                        "loss (nats)",
+                        train_len=train_len,
+                    )
+                )
+    if "passkey" in results:
+        _write_csv(out_dir / "passkey.csv", results["passkey"])
+        if plots:
+            depths = sorted({r["depth"] for r in results["passkey"]})
+            lengths = sorted({r["length"] for r in results["passkey"]})
+            grid = np.zeros((len(depths), len(lengths)))
+            for r in results["passkey"]:
+                grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
+            images.append(
+                plot_heatmap(
+                    grid, depths, lengths, out_dir / "passkey.png", f"{label}: passkey accuracy", "length", "depth"
+                )
+            )
+    if "copy" in results:
+        _write_csv(out_dir / "copy.csv", results["copy"])
+        if plots:
+            rows = results["copy"]
+            images.append(
+                plot_lines(
+                    {label: ([r["length"] for r in rows], [r["accuracy"] for r in rows], None)},
+                    out_dir / "copy.png",
+                    f"{label}: copy accuracy",
+                    "length",
+                    "exact-match accuracy",
+                    train_len=train_len,
+                )
+            )
+    return images
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], exclude: set[str] = frozenset()) -> None:
+    if not rows:
+        return
+    fields = [key for key in rows[0] if key not in exclude]
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
+
+
+def print_results(results: dict[str, Any]) -> None:
+    """The human summary: perplexity by length (with the ratio to in-length), task accuracies."""
+    label, train_len = results["label"], results["train_len"]
+    if "perplexity" in results:
+        rows = results["perplexity"]
+        mode = rows[0]["mode"] + (f", stride {rows[0]['stride']}" if rows[0]["stride"] else "")
+        scored = rows[0]["tokens"]
+        print(f"\nPerplexity of {label} trained at L={train_len} ({mode}; {scored} tokens scored at each length):")
+        print(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
+        for r in rows:
+            if r["error"]:
+                print(f"  {r['length']:>7} {r['multiple']:>5g} {'n/a':>8} {'n/a':>9} {'':>9} {'':>7}  ({r['error']})")
+            else:
+                ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
+                figures = f"{r['loss']:>8.4f} {r['ppl']:>9.3f} {r['bpb']:>9.4f} {ratio:>7}"
+                print(f"  {r['length']:>7} {r['multiple']:>5g} {figures}")
+    for name in ("passkey", "copy"):
+        if name in results:
+            accs = {k: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
+            print(f"{name} accuracy by length: " + ", ".join(f"{k.split('@')[1]} {v:.2f}" for k, v in accs.items()))
+
+
+def log_results(results: dict[str, Any], loggers: list[Logger], images: list[Path], step: int) -> None:
+    """Summary metrics to every logger; tables, line plots and images to W&B."""
+    for logger in loggers:
+        logger.log_metrics({f"eval/{k}": v for k, v in results["summary"].items()}, step=step)
+        if type(logger).__name__ != "WandbLogger":
+            continue
+        import wandb
+
+        run = logger.experiment
+        run.summary.update(results["summary"])
+        if "perplexity" in results:
+            columns = ["label", "length", "multiple", "loss", "ppl", "bpb", "ratio", "tokens"]
+            table = wandb.Table(
+                columns=columns,
+                data=[
+                    [results["label"], *(r[c] for c in columns[1:])] for r in results["perplexity"] if not r["error"]
+                ],
+            )
+            run.log(
+                {
+                    "eval/perplexity_table": table,
+                    "eval/ppl_vs_length": wandb.plot.line(table, "length", "ppl", title="perplexity vs length"),
+                }
+            )
+            longest = max(results["loss_by_position"], key=int, default=None)
+            if longest is not None:
+                x, y = smooth(results["loss_by_position"][longest])
+                curve = wandb.Table(
+                    columns=["position", "loss"], data=[[float(a), float(b)] for a, b in zip(x, y, strict=True)]
+                )
+                run.log({"eval/loss_by_position": wandb.plot.line(curve, "position", "loss", title="loss by position")})
+        for name in ("passkey", "copy"):
+            if name in results:
+                rows = results[name]
+                run.log(
+                    {f"eval/{name}_table": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}
+                )
+        run.log({f"eval/{image.stem}": wandb.Image(str(image)) for image in images})
+
+
+class ExtrapolationEval(Callback):
+    """Evaluate at the end of training (rank zero) and write ``<run>/eval``. Off with ``eval.at_end=false``."""
+
+    def __init__(
+        self,
+        run_info: dict[str, Any],
+        eval_cfg: dict[str, Any],
+        out_dir: Path,
+        stream_fn: Callable[[], np.ndarray],
+        task: str | None,
+    ) -> None:
+        self.run_info, self.eval_cfg, self.out_dir, self.stream_fn, self.task = (
+            run_info,
+            eval_cfg,
+            out_dir,
+            stream_fn,
+            task,
+        )
+        self.results: dict[str, Any] | None = None
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        stream = self.stream_fn() if self.task is None else None
+        self.results = evaluate_model(
+            pl_module.model, run_info=self.run_info, eval_cfg=self.eval_cfg, stream=stream, task=self.task
+        )
+        images = write_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
+        print_results(self.results)
+        log_results(self.results, trainer.loggers, images, trainer.global_step)
