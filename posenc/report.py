@@ -1,0 +1,279 @@
+"""``python -m posenc.report <sweep or run dirs…>``: every scheme side by side, as the ALiBi paper's Table 2.
+
+Reads every ``results.json`` under the given directories (written by training's end-of-run evaluation or by
+``posenc.evaluate``), groups runs by training length and evaluation mode, and writes ``report.md`` plus
+combined plots (one line per scheme): rows are evaluation lengths, columns are schemes, cells are mean ± std
+over seeds, followed by the ratio to in-length perplexity and task accuracies. ``--wandb entity/project``
+builds the same tables from W&B run summaries instead (needs network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from posenc.evaluate.plots import plot_lines, smooth
+from posenc.evaluate.runner import RESULTS_FILE
+
+Key = tuple[int, str, int | None]  # (train_len, mode, stride)
+
+
+def find_results(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """Load every results.json under ``paths`` (files or directories, searched recursively)."""
+    found: list[dict[str, Any]] = []
+    for raw in paths:
+        path = Path(raw)
+        files = [path] if path.is_file() else sorted(path.rglob(RESULTS_FILE))
+        for file in files:
+            data = json.loads(file.read_text())
+            data["_source"] = str(file)
+            found.append(data)
+    return found
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float, int]:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan, 0
+    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else 0.0), len(finite)
+
+
+def _cell(values: Sequence[float], digits: int = 2) -> str:
+    mean, std, n = _mean_std(values)
+    if n == 0:
+        return "—"
+    return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _order(labels: Iterable[str]) -> list[str]:
+    """Schemes in registry order first, then hybrids, each alphabetically: stable columns across reports."""
+    from posenc.encodings import available
+
+    known = available()
+    return sorted(
+        set(labels), key=lambda label: (label not in known, known.index(label) if label in known else 0, label)
+    )
+
+
+def group_runs(results: list[dict[str, Any]]) -> dict[Key, dict[str, list[dict[str, Any]]]]:
+    """{(train_len, mode, stride): {label: [run results…]}} for language-modelling results."""
+    groups: dict[Key, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for result in results:
+        rows = result.get("perplexity") or []
+        if not rows:
+            continue
+        key = (int(result["train_len"]), rows[0]["mode"], rows[0]["stride"])
+        groups[key][result["label"]].append(result)
+    return groups
+
+
+def perplexity_tables(key: Key, by_label: dict[str, list[dict[str, Any]]]) -> str:
+    train_len, mode, stride = key
+    labels = _order(by_label)
+    lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
+    tokens = sorted({row["tokens"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
+    how = mode + (f", stride {stride}" if stride else "")
+    header = "| length | ×L | " + " | ".join(f"{label} (n={len(by_label[label])})" for label in labels) + " |"
+    rule = "|---:|---:|" + "---:|" * len(labels)
+    out = [
+        f"## Trained at L={train_len} — {how}",
+        "",
+        f"Perplexity on held-out text, mean ± std over seeds; {', '.join(map(str, tokens))} tokens scored at every "
+        "length (the same tokens), so lengths are comparable.",
+        "",
+        header,
+        rule,
+    ]
+    ratio_rows = []
+    for length in lengths:
+        cells, ratios = [], []
+        for label in labels:
+            values = [_value(run, length, "ppl") for run in by_label[label]]
+            cells.append(_cell(values))
+            ratios.append(_cell([_value(run, length, "ratio") for run in by_label[label]], digits=3))
+        out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
+        ratio_rows.append(f"| {length} | {length / train_len:g} | " + " | ".join(ratios) + " |")
+    out += ["", "Ratio to the in-length (1×) perplexity of the same run (1.0 = no degradation):", "", header, rule]
+    out += ratio_rows
+    return "\n".join(out)
+
+
+def _value(run: dict[str, Any], length: int, field: str) -> float | None:
+    for row in run["perplexity"]:
+        if row["length"] == length and row["error"] is None:
+            return row[field]
+    return None
+
+
+def task_tables(results: list[dict[str, Any]]) -> str:
+    """Passkey (mean over depths) and copy accuracy by length, per training length."""
+    out = []
+    for task in ("passkey", "copy"):
+        runs = [r for r in results if r.get(task)]
+        by_len: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        for run in runs:
+            by_len[int(run["train_len"])][run["label"]].append(run)
+        for train_len, by_label in sorted(by_len.items()):
+            labels = _order(by_label)
+            lengths = sorted({row["length"] for runs_ in by_label.values() for run in runs_ for row in run[task]})
+            out += [
+                f"## {task} accuracy, trained at L={train_len}",
+                "",
+                "Exact-match accuracy (passkey: mean over key depths), mean ± std over seeds.",
+                "",
+                "| length | ×L | " + " | ".join(f"{label} (n={len(by_label[label])})" for label in labels) + " |",
+                "|---:|---:|" + "---:|" * len(labels),
+            ]
+            for length in lengths:
+                cells = []
+                for label in labels:
+                    accs = [
+                        statistics.fmean(row["accuracy"] for row in run[task] if row["length"] == length)
+                        for run in by_label[label]
+                        if any(row["length"] == length for row in run[task])
+                    ]
+                    cells.append(_cell(accs))
+                out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
+def plots(groups: dict[Key, dict[str, list[dict[str, Any]]]], out_dir: Path) -> list[Path]:
+    """Per group: perplexity vs length, ratio vs length, loss by position (one line per scheme)."""
+    images = []
+    for (train_len, mode, stride), by_label in sorted(groups.items(), key=lambda item: str(item[0])):
+        suffix = f"L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
+        for field, ylabel, logy in (("ppl", "perplexity", True), ("ratio", "perplexity / in-length perplexity", True)):
+            series = {}
+            for label in _order(by_label):
+                lengths = sorted({row["length"] for run in by_label[label] for row in run["perplexity"]})
+                stats = [_mean_std([_value(run, length, field) for run in by_label[label]]) for length in lengths]
+                kept = [(length, m, s) for length, (m, s, n) in zip(lengths, stats, strict=True) if n]
+                if kept:
+                    series[label] = ([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept])
+            images.append(
+                plot_lines(
+                    series,
+                    out_dir / f"{field}_vs_length_{suffix}.png",
+                    f"{ylabel} vs evaluation length (trained at {train_len}, {mode})",
+                    "evaluation length (tokens)",
+                    ylabel,
+                    train_len=train_len,
+                    logy=logy,
+                )
+            )
+        curves = {}
+        for label in _order(by_label):
+            per_run = [run.get("loss_by_position") or {} for run in by_label[label]]
+            common = set.intersection(*(set(c) for c in per_run)) if per_run else set()
+            if common:
+                longest = max(common, key=int)
+                length = int(longest)
+                mean_curve = [statistics.fmean(c[longest][i] for c in per_run) for i in range(length)]
+                x, y = smooth(mean_curve)
+                curves[label] = (x, y, None)
+        if curves:
+            images.append(
+                plot_lines(
+                    curves,
+                    out_dir / f"loss_by_position_{suffix}.png",
+                    f"loss by position (trained at {train_len})",
+                    "position in window",
+                    "loss (nats)",
+                    train_len=train_len,
+                )
+            )
+    return images
+
+
+def build_report(results: list[dict[str, Any]], out_dir: Path, make_plots: bool = True) -> str:
+    """Write report.md (and plots) to ``out_dir``; return the markdown."""
+    if not results:
+        raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(results)
+    sections = ["# posenc extrapolation report", "", f"{len(results)} evaluated run(s)."]
+    for key, by_label in sorted(groups.items(), key=lambda item: str(item[0])):
+        sections += ["", perplexity_tables(key, by_label)]
+    tasks = task_tables(results)
+    if tasks:
+        sections += ["", tasks]
+    images = plots(groups, out_dir) if make_plots else []
+    if images:
+        sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
+    markdown = "\n".join(sections).rstrip() + "\n"
+    (out_dir / "report.md").write_text(markdown)
+    return markdown
+
+
+def results_from_wandb(path: str, group: str | None) -> list[dict[str, Any]]:
+    """Rebuild minimal results (perplexity by length from ``ppl@Nx`` summaries) from W&B runs."""
+    try:
+        import wandb
+
+        api = wandb.Api(timeout=20)
+        runs = api.runs(path, filters={"group": group} if group else None)
+        runs = list(runs)
+    except Exception as err:  # the W&B client raises many types offline or without a key
+        raise SystemExit(f"could not read W&B project {path!r}: {err}. Use local run directories instead.") from err
+    results = []
+    for run in runs:
+        summary, config = dict(run.summary), dict(run.config)
+        train_len = int(config.get("data", {}).get("seq_len", 0))
+        rows = []
+        for key, value in summary.items():
+            if key.startswith("ppl@") and key.endswith("x"):
+                multiple = float(key[4:-1])
+                ratio = summary.get(f"ppl_ratio@{key[4:]}")
+                length = int(multiple * train_len)
+                rows.append(
+                    {
+                        "length": length,
+                        "mode": "nonoverlap",
+                        "stride": None,
+                        "tokens": None,
+                        "ppl": value,
+                        "ratio": ratio,
+                        "error": None,
+                    }
+                )
+        if rows and train_len:
+            label = next((t for t in run.tags if not t.startswith(("L", "seed"))), run.name)
+            results.append(
+                {
+                    "label": label,
+                    "train_len": train_len,
+                    "seed": config.get("seed"),
+                    "perplexity": sorted(rows, key=lambda r: r["length"]),
+                }
+            )
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m posenc.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*", help="sweep or run directories (searched for results.json), or files")
+    parser.add_argument("--out", type=Path, help="output directory (default: the first path, or ./report)")
+    parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read run summaries from W&B instead")
+    parser.add_argument("--group", help="with --wandb: only this W&B group (a sweep)")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.paths and not args.wandb:
+        parser.error("give run/sweep directories, or --wandb ENTITY/PROJECT")
+    results = find_results(args.paths)
+    if args.wandb:
+        results += results_from_wandb(args.wandb, args.group)
+    first = Path(args.paths[0]) if args.paths else None
+    out_dir = args.out or (first if first is not None and first.is_dir() else Path("report"))
+    print(build_report(results, out_dir, make_plots=not args.no_plots))
+    print(f"wrote {out_dir / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

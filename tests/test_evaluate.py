@@ -1,0 +1,285 @@
+"""Known answers for the extrapolation metrics, the synthetic tasks, the standalone evaluator and the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import FAST, compose_train
+from torch import nn
+
+from posenc.evaluate.perplexity import evaluate_lengths, scored_span
+from posenc.evaluate.tasks import (
+    IGNORE,
+    TaskDataset,
+    copy_sample,
+    evaluate_copy,
+    evaluate_passkey,
+    passkey_depth,
+    passkey_sample,
+)
+from posenc.report import build_report, find_results
+from posenc.train import train
+
+VOCAB = 257
+
+
+class Uniform(nn.Module):
+    """Equal logits everywhere: perplexity must be exactly the vocabulary size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dummy = nn.Parameter(torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*tokens.shape, VOCAB) + self.dummy
+
+
+class Bigram(nn.Module):
+    """A fixed random bigram model: context-free, so any window cut must give the same loss per token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(VOCAB, VOCAB))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table[tokens]
+
+
+class Counter(nn.Module):
+    """Context-dependent: logits depend on the position in the window, so the window cut matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.05))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        position = torch.arange(tokens.shape[1], dtype=torch.float32)[None, :, None]
+        return (position * self.scale * torch.arange(VOCAB) / VOCAB).expand(tokens.shape[0], -1, -1) + 0 * tokens[
+            ..., None
+        ]
+
+
+class Oracle(nn.Module):
+    """Predicts every answer token of a passkey/copy sample perfectly, from the input alone."""
+
+    def __init__(self, task: str) -> None:
+        super().__init__()
+        self.task = task
+        self.dummy = nn.Parameter(torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*tokens.shape, VOCAB)
+        for row, seq in enumerate(tokens.tolist()):
+            if self.task == "passkey":
+                start = seq.index(ord("#"))
+                key = seq[start + 1 : seq.index(ord("#"), start + 1)]
+                query = seq.index(ord("?"))
+                answer = {query + i: digit for i, digit in enumerate(key)}
+            else:
+                bar = seq.index(ord("|"))
+                n = len(seq) - bar
+                text = seq[bar - n : bar]
+                answer = {bar + i: text[i] for i in range(n)}
+            for position, token in answer.items():
+                if position < len(seq):
+                    logits[row, position, token] = 10.0
+        return logits
+
+
+def stream(n: int = 5000) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, n).astype(np.uint16)
+
+
+@pytest.mark.parametrize("mode", ["nonoverlap", "sliding"])
+def test_uniform_model_has_vocab_perplexity_at_every_length(mode: str) -> None:
+    rows = evaluate_lengths(Uniform(), stream(), [16, 32, 64, 128], mode=mode, stride=8, max_tokens=2048)
+    for row in rows:
+        assert row.ppl == pytest.approx(VOCAB, rel=1e-6)  # fp32 logits
+        assert row.tokens == 2048 and row.bpb == pytest.approx(math.log2(VOCAB), rel=1e-6)
+
+
+def test_same_tokens_scored_at_every_length() -> None:
+    assert scored_span(5000, [16, 32, 64, 128], 2048) == 2048
+    assert scored_span(5000, [16, 48], None) == 4992  # common multiple of the lengths, below available - 1
+    with pytest.raises(ValueError, match="too few for one window"):
+        scored_span(100, [64, 128], None)
+    # A context-free model scores identical tokens identically whatever the window length.
+    rows = evaluate_lengths(Bigram(), stream(), [16, 64, 256], max_tokens=2048)
+    assert rows[0].loss == pytest.approx(rows[1].loss, rel=1e-12) == pytest.approx(rows[2].loss, rel=1e-12)
+
+
+def test_sliding_with_stride_equal_to_length_is_nonoverlap() -> None:
+    model = Counter()
+    for length in (16, 64):
+        (sliding,) = evaluate_lengths(model, stream(), [length], mode="sliding", stride=length, max_tokens=2048)
+        (disjoint,) = evaluate_lengths(model, stream(), [length], mode="nonoverlap", max_tokens=2048)
+        assert sliding.loss == disjoint.loss
+        assert sliding.loss_by_position == disjoint.loss_by_position
+
+
+def test_sliding_scores_each_token_once_with_more_context() -> None:
+    model = Counter()
+    (sliding,) = evaluate_lengths(model, stream(), [64], mode="sliding", stride=16, max_tokens=2048)
+    (disjoint,) = evaluate_lengths(model, stream(), [64], mode="nonoverlap", max_tokens=2048)
+    assert sliding.tokens == disjoint.tokens == 2048
+    assert sliding.loss != disjoint.loss  # later positions (more context) are the ones scored
+
+
+def test_loss_by_position_follows_the_model() -> None:
+    (row,) = evaluate_lengths(Counter(), stream(), [32], max_tokens=2048)
+    assert len(row.loss_by_position) == 32
+    # Counter's logits sharpen with position towards high token ids; random targets make later positions worse.
+    assert row.loss_by_position[0] == pytest.approx(math.log(VOCAB), rel=1e-6)
+    assert row.loss_by_position[-1] > row.loss_by_position[0]
+
+
+def test_length_the_model_cannot_handle_is_reported_not_fatal() -> None:
+    model = Uniform()
+    model.max_positions = 32
+    rows = evaluate_lengths(model, stream(), [16, 32, 64], max_tokens=1024)
+    assert [r.error is None for r in rows] == [True, True, False]
+    assert "max_positions=32" in rows[2].error
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_passkey_places_the_key_at_the_requested_depth(depth: float) -> None:
+    sample = passkey_sample(200, depth, np.random.default_rng(1))
+    assert sample.inputs.shape == (200,) and sample.targets.shape == (200,)
+    assert passkey_depth(sample) == pytest.approx(depth, abs=1 / 180)
+    answer = sample.targets[sample.targets != IGNORE]
+    assert len(answer) == 5 and all(ord("0") <= t <= ord("9") for t in answer.tolist())
+    text = bytes(sample.inputs.tolist()).decode()
+    assert text.count("#") == 2 and text.endswith("?" + bytes(answer[:-1].tolist()).decode())
+
+
+def test_passkey_oracle_scores_perfectly_and_uniform_scores_zero() -> None:
+    rows = evaluate_passkey(Oracle("passkey"), [64, 256], [0.0, 0.5, 1.0], samples=6, seed=0)
+    assert len(rows) == 6 and all(row["accuracy"] == 1.0 for row in rows)
+    rows = evaluate_passkey(Uniform(), [64], [0.5], samples=6, seed=0)
+    assert rows[0]["accuracy"] < 1.0
+
+
+def test_copy_oracle_scores_perfectly() -> None:
+    rows = evaluate_copy(Oracle("copy"), [64, 129], samples=5, seed=0)
+    assert all(row["accuracy"] == 1.0 and row["token_accuracy"] == 1.0 for row in rows)
+    sample = copy_sample(64, np.random.default_rng(0))
+    scored = sample.targets[sample.targets != IGNORE]
+    assert len(scored) == 32
+
+
+def test_task_dataset_is_seeded() -> None:
+    a, b = TaskDataset("passkey", 64, 10, seed=1), TaskDataset("passkey", 64, 10, seed=2)
+    assert torch.equal(a[3][0], TaskDataset("passkey", 64, 10, seed=1)[3][0])
+    assert not torch.equal(a[3][0], b[3][0])
+    with pytest.raises(ValueError, match="unknown task 'sort'"):
+        TaskDataset("sort", 64, 1, seed=0)
+
+
+def _fake_result(label: str, seed: int, ppls: list[float], tmp: Path) -> None:
+    rows = [
+        {
+            "length": 64 * m,
+            "mode": "nonoverlap",
+            "stride": None,
+            "tokens": 4096,
+            "loss": math.log(p),
+            "ppl": p,
+            "bpb": math.log2(p),
+            "error": None,
+            "multiple": m,
+            "ratio": p / ppls[0],
+            "loss_by_position": None,
+        }
+        for m, p in zip([1, 2, 4], ppls, strict=True)
+    ]
+    folder = tmp / f"{label}-s{seed}" / "eval"
+    folder.mkdir(parents=True)
+    result = {
+        "label": label,
+        "train_len": 64,
+        "seed": seed,
+        "perplexity": rows,
+        "loss_by_position": {"256": [1.0] * 256},
+    }
+    (folder / "results.json").write_text(json.dumps(result))
+
+
+def test_report_builds_the_expected_table(tmp_path: Path) -> None:
+    _fake_result("alibi", 0, [10.0, 10.0, 10.0], tmp_path)
+    _fake_result("alibi", 1, [12.0, 12.0, 13.0], tmp_path)
+    _fake_result("sinusoidal", 0, [10.0, 40.0, 200.0], tmp_path)
+    markdown = build_report(find_results([tmp_path]), tmp_path / "report")
+    lines = markdown.splitlines()
+    assert "| length | ×L | alibi (n=2) | sinusoidal (n=1) |" in lines
+    assert "| 64 | 1 | 11.00 ± 1.41 | 10.00 |" in lines
+    assert "| 256 | 4 | 11.50 ± 2.12 | 200.00 |" in lines
+    assert "| 256 | 4 | 1.042 ± 0.059 | 20.000 |" in lines  # ratio table: (1.0, 13/12) and 20
+    assert (tmp_path / "report" / "report.md").exists()
+    assert (tmp_path / "report" / "ppl_vs_length_L64_nonoverlap.png").stat().st_size > 0
+
+
+def test_report_without_results_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"no results\.json found"):
+        build_report(find_results([tmp_path]), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("run")
+    train(compose_train("+encoding=alibi", *FAST), run_dir)
+    return run_dir
+
+
+def _evaluate(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "posenc.evaluate", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_standalone_evaluate_writes_results(trained_run: Path, tmp_path: Path) -> None:
+    result = _evaluate(
+        str(trained_run),
+        "eval.multiples=[1,2]",
+        "eval.mode=sliding",
+        "eval.stride=8",
+        "eval.max_tokens=512",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = json.loads((trained_run / "eval_sliding_s8" / "results.json").read_text())
+    assert saved["label"] == "alibi" and [r["length"] for r in saved["perplexity"]] == [16, 32]
+    assert (trained_run / "eval_sliding_s8" / "ppl_vs_length.png").exists()
+    assert list(tmp_path.iterdir()) == []  # nothing written to the working directory
+
+
+def test_evaluate_refuses_a_checkpoint_config_mismatch(trained_run: Path, tmp_path: Path) -> None:
+    result = _evaluate(str(trained_run), "+encoding=rope", cwd=tmp_path)
+    assert result.returncode != 0 and "checkpoint/config mismatch in 'encoding'" in result.stderr
+    # A run directory whose config disagrees with the checkpoint inside it (a checkpoint copied across runs).
+    other = tmp_path / "other"
+    (other / ".hydra").mkdir(parents=True)
+    (other / "checkpoints").mkdir()
+    (other / "checkpoints" / "last.ckpt").write_bytes((trained_run / "checkpoints" / "last.ckpt").read_bytes())
+    (other / ".hydra" / "config.yaml").write_text("encoding:\n  name: t5\nmodel:\n  dim: 128\n")
+    result = _evaluate(str(other), cwd=tmp_path)
+    assert result.returncode != 0 and "checkpoint/config mismatch in 'encoding'" in result.stderr
+
+
+def test_evaluate_usage_errors(tmp_path: Path) -> None:
+    assert "usage: python -m posenc.evaluate" in _evaluate(cwd=tmp_path).stderr
+    assert "neither a run directory nor a checkpoint" in _evaluate(str(tmp_path / "nope"), cwd=tmp_path).stderr
+
+
+def test_task_training_is_scored_on_the_task(tmp_path: Path) -> None:
+    summary = train(compose_train("+encoding=rope", "data=passkey", *FAST), tmp_path)
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert "perplexity" not in results
+    assert sorted({row["length"] for row in results["passkey"]}) == [16, 32]
+    assert set(summary["eval"]) == {"passkey_acc@1x", "passkey_acc@2x"}
