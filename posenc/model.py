@@ -192,6 +192,13 @@ class Decoder(nn.Module):
                         "on the input, not per layer. Put it in a stack for every layer (e.g. 'learned+alibi') instead"
                     )
             input_encoding, entries, keyed = None, list(names), True
+            members = {member for entry in entries for member in stack_members(entry)}
+            stray = sorted(set(options) - members)
+            if stray:
+                raise ValueError(
+                    f"options {stray} of the per-layer schedule {entries} must be nested under a member's name "
+                    f"(one of {sorted(members)}), e.g. {entries[0].split('+')[0]}: {{...}}"
+                )
         layers = []
         for i in range(depth):
             entry = entries[i % len(entries)]

@@ -18,6 +18,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
 from posenc.evaluate.plots import plot_lines, smooth
 from posenc.evaluate.runner import RESULTS_FILE
 
@@ -254,6 +257,22 @@ def results_from_wandb(path: str, group: str | None) -> list[dict[str, Any]]:
                 }
             )
     return results
+
+
+class ReportOnSweepEnd(Callback):
+    """Hydra callback: when a multirun ends, write report.md and plots into the sweep directory.
+
+    Enable it in a sweep config with ``hydra.callbacks.report._target_: posenc.report.ReportOnSweepEnd``.
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        results = find_results([sweep_dir])
+        if not results:
+            print(f"posenc.report: no results.json under {sweep_dir}; nothing to report")
+            return
+        print(build_report(results, sweep_dir))
+        print(f"wrote {sweep_dir / 'report.md'}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

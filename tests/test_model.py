@@ -173,6 +173,11 @@ def test_schedule_options_are_keyed_by_member() -> None:
     assert model.layer_encodings[0].base == 123
 
 
+def test_schedule_options_must_name_a_member() -> None:
+    with pytest.raises(ValueError, match="must be nested under a member's name"):
+        tiny({"name": ["rope", "nope"], "base": 500})
+
+
 def test_schedule_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="absolute scheme 'learned' cannot sit in a per-layer schedule"):
         tiny(["rope", "learned"])
