@@ -1,8 +1,15 @@
 """``auto``: the fastest backend that honours the scheme on the device at hand, chosen per call.
 
-- no bias, any device → ``sdpa`` (flash / cuDNN on GPU);
-- a bias on CUDA → ``flex`` (score_mod fused in the kernel, O(L) memory);
-- a bias on CPU → ``sdpa`` with the bias as a chunked mask (FlexAttention has no CPU backward).
+- no bias, any device → ``sdpa`` (flash / cuDNN on GPU; RoPE and xPos rotate q, k before it);
+- a fixed bias on CUDA (ALiBi, or a learnable one whose parameters are frozen) → ``flex``: the score_mod fused in
+  the kernel with a cached causal block mask, O(L) memory;
+- a learnable bias on CUDA → ``flex_learnable``: the same forward, a constant-bias backward, and the parameters'
+  gradients from the identities the scheme declares (``bias_gradient_forms``), avoiding FlexAttention's per-score
+  atomics; a learnable scheme that declares none stays on ``flex`` (correct, slow backward);
+- a bias on CPU → ``sdpa`` with the bias as a chunked mask (FlexAttention has no CPU backward, and SDPA is the
+  faster CPU path anyway).
+
+The choice reads only what the scheme declares (``adds_bias``, ``learnable_bias``, ``bias_gradient_forms``).
 """
 
 from __future__ import annotations
@@ -10,14 +17,17 @@ from __future__ import annotations
 from torch import Tensor
 
 from posenc.attention import get_backend, register_backend
+from posenc.attention.flex_learnable import supports
 from posenc.encodings.base import PositionalEncoding
 
 
 def choose(encoding: PositionalEncoding, is_cuda: bool) -> str:
     """Name of the backend ``auto`` uses for this scheme on this kind of device."""
-    if encoding.adds_bias and is_cuda:
-        return "flex"
-    return "sdpa"
+    if not encoding.adds_bias or not is_cuda:
+        return "sdpa"
+    if encoding.learnable_bias and supports(encoding):
+        return "flex_learnable"
+    return "flex"
 
 
 @register_backend("auto")

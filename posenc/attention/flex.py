@@ -18,6 +18,11 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+try:  # torch ≥ 2.9 asks for the lse through return_aux (return_lse is deprecated there)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    AuxRequest = None
+
 from posenc.attention import register_backend
 from posenc.encodings.base import PositionalEncoding, ScoreMod
 
@@ -32,10 +37,22 @@ def causal_block_mask(length: int, device: str) -> BlockMask:
     return create_block_mask(_causal, None, None, length, length, device=device)
 
 
+RECOMPILE_LIMIT = 64  # compiled variants of flex: one per score_mod code, dtype, grad mode (and static length)
+
+
 @functools.cache
 def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
-    """flex_attention compiled once per process (compiling per call would dominate the runtime)."""
-    return torch.compile(flex_attention, dynamic=False)
+    """flex_attention compiled once per process (compiling per call would dominate the runtime).
+
+    Shapes are left to automatic dynamic (``dynamic=None``): the first length (training's) gets a static kernel,
+    the first other length recompiles once with the length symbolic, and every later length reuses that, so
+    evaluating at 1×…32× the training length costs two compilations per score_mod, not one per length. Each
+    scheme's mod (and the learnable-bias path's derivative mods) is a separate variant of the same frame, so the
+    recompile limit is raised from torch's default of 8, which a comparison of several schemes in one process
+    would exceed and then silently fall back to the uncompiled flex (which materialises the scores).
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def shifted(mod: ScoreMod, offset: Tensor) -> ScoreMod:
@@ -47,12 +64,22 @@ def shifted(mod: ScoreMod, offset: Tensor) -> ScoreMod:
     return at_positions
 
 
-def flex_run(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, **kwargs: Any) -> Any:
-    """Call FlexAttention with the causal block mask, compiled on CUDA and eager (forward only) elsewhere."""
+def flex_run(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, return_lse: bool = False) -> Any:
+    """Causal FlexAttention with the cached block mask: ``out``, or ``(out, lse)`` with the fp32 natural-log lse.
+
+    Compiled on CUDA; eager elsewhere, where torch runs the forward only.
+    """
     length = q.shape[-2]
     block_mask = causal_block_mask(length, str(q.device))
     kernel = compiled_flex_attention() if q.is_cuda else flex_attention
-    return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, **kwargs)
+    if not q.is_cuda and not torch.is_grad_enabled():  # torch refuses CPU inputs that require grad, even here
+        q, k, v = q.detach(), k.detach(), v.detach()
+    if not return_lse:
+        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    if AuxRequest is None:  # torch < 2.9 returns the lse directly
+        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
+    out, aux = kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    return out, aux.lse
 
 
 def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> None:

@@ -9,6 +9,8 @@ distances past 256 lose exactness), which is one reason ``auto`` prefers ``flex`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,20 +25,30 @@ MAX_MASK_ELEMENTS = 1 << 24  # per head: 16M entries, 64 MiB in fp32
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
-    self_attention = q_pos is k_pos
     if not encoding.adds_bias:
-        if self_attention:
+        if q_pos is k_pos:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         causal = k_pos[None, :] <= q_pos[:, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    return sdpa_with_bias(q, k, v, encoding.bias, q_pos, k_pos)
+
+
+def sdpa_with_bias(
+    q: Tensor, k: Tensor, v: Tensor, bias: Callable[[Tensor, Tensor], Tensor], q_pos: Tensor, k_pos: Tensor
+) -> Tensor:
+    """Causal SDPA with ``bias(q_pos, k_pos)`` (H, Lq, Lk) as a dense mask, built one query chunk at a time."""
+    self_attention = q_pos is k_pos
     rows = max(1, MAX_MASK_ELEMENTS // k.shape[-2])
+    if q.shape[-2] <= rows:  # one chunk: no loop, so torch.compile keeps the length symbolic
+        mask = bias(q_pos, k_pos).masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
     chunks = []
     for start in range(0, q.shape[-2], rows):
         end = start + rows
         # With shared positions, keys after the chunk's last query are all masked: leave them out.
         keys = slice(0, end) if self_attention else slice(None)
         chunk_q_pos, chunk_k_pos = q_pos[start:end], k_pos[keys]
-        mask = encoding.bias(chunk_q_pos, chunk_k_pos)  # (H, rows, keys) fp32
+        mask = bias(chunk_q_pos, chunk_k_pos)  # (H, rows, keys) fp32
         mask = mask.masked_fill(chunk_k_pos[None, None, :] > chunk_q_pos[None, :, None], float("-inf"))
         chunks.append(
             F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, keys], v[:, :, keys], attn_mask=mask.to(q.dtype))

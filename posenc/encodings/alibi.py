@@ -47,8 +47,8 @@ class ALiBi(PositionalEncoding):
         d = torch.arange(num_distances, device=self.slopes.device, dtype=torch.float32)
         return -self.slopes[:, None] * d
 
-    def score_mod(self) -> ScoreMod:
-        slopes = self.slopes
+    def score_mod(self, detached: bool = False) -> ScoreMod:
+        slopes = self.slopes  # a buffer: constant either way
 
         def alibi(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return score - slopes[h] * (q_idx - kv_idx).to(torch.float32)

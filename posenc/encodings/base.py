@@ -12,11 +12,23 @@ A scheme *declares* what it does to a decoder and the backbone composes it; noth
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
 the O(L²) matrix.
+
+Schemes with a *learnable* bias may also say how its parameters can be differentiated without a per-score
+gradient (``bias_gradient_forms``): FlexAttention differentiates a score_mod that reads a trainable tensor with
+one atomic add per score, which makes its backward hundreds of times slower than the forward
+(``../shared/notes/learnable-bias-gradient.md``). Two exact forms avoid that, one per identity of the note:
+
+- ``DerivativeForm`` (Identity 1): ∂b_h(i, j)/∂θ_h = scale_h · f_h(i, j) with f ≥ 0, so the gradient of θ is one
+  extra attention forward with the scores shifted by log f. For smooth parametric biases (KERPLE).
+- ``TableForm`` (Identity 2): b_h(d) = table[h, index[min(d, horizon)]], constant from distance ``horizon`` on, so
+  a band of ``horizon`` diagonals of dS gives every entry's gradient and the last one is minus their sum (every
+  row of dS sums to zero). For bucketed tables (T5).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -24,6 +36,41 @@ from torch import Tensor, nn
 
 # FlexAttention's score_mod signature: (score, batch, head, q_idx, kv_idx) -> score.
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class DerivativeForm:
+    """∂b_h(i, j)/∂parameter[h] = scale[h] · f_h(i, j) with f ≥ 0 everywhere (the note's Identity 1).
+
+    ``log_factor`` is a score_mod that adds log f to the score (−∞ where f = 0), evaluated at absolute positions
+    like ``score_mod``, in fp32, reading only detached tensors. ``parameter`` is per head (H,); ``scale`` (H,) is
+    detached fp32. A derivative of mixed sign is declared as two forms whose scales have opposite signs.
+    """
+
+    parameter: Tensor
+    scale: Tensor
+    log_factor: ScoreMod
+
+
+@dataclass(frozen=True)
+class TableForm:
+    """b_h(d) = table[h, index[min(d, horizon)]] for causal distances d ≥ 0 (the note's Identity 2).
+
+    ``index`` (horizon + 1,) int64 names the table entry of distances ``0 .. horizon``; every distance from
+    ``horizon`` on uses ``index[horizon]``. Only the scheme's own part of the bias is described: in a stack,
+    other members add their own biases on top.
+    """
+
+    table: Tensor
+    index: Tensor
+
+    @property
+    def horizon(self) -> int:
+        """Distance from which the table entry no longer changes: the band a backend must look at."""
+        return self.index.numel() - 1
+
+
+BiasGradientForm = DerivativeForm | TableForm
 
 
 class PositionalEncoding(nn.Module):
@@ -87,10 +134,12 @@ class PositionalEncoding(nn.Module):
         """
         return None
 
-    def score_mod(self) -> ScoreMod | None:
+    def score_mod(self, detached: bool = False) -> ScoreMod | None:
         """The bias as a FlexAttention score_mod over (q_idx, kv_idx), or ``None`` when there is no bias.
 
-        It must equal ``bias`` for positions ``q_idx``, ``kv_idx`` and keep its arithmetic in fp32.
+        It must equal ``bias`` for positions ``q_idx``, ``kv_idx`` and keep its arithmetic in fp32. With
+        ``detached=True`` it reads its parameters detached: the same values, but FlexAttention then treats the bias
+        as a constant, which a backend wants when it differentiates the parameters by ``bias_gradient_forms``.
         """
         if self.adds_bias:
             raise NotImplementedError(f"{self.name} adds a bias but offers no score_mod")
@@ -99,6 +148,14 @@ class PositionalEncoding(nn.Module):
     def distance_bias(self, num_distances: int) -> Tensor:
         """fp32 bias (H, num_distances) for distances ``0 .. num_distances-1`` (only for distance-only schemes)."""
         raise NotImplementedError(f"{self.name}'s bias is not a function of distance alone")
+
+    def bias_gradient_forms(self) -> list[BiasGradientForm] | None:
+        """How to differentiate the bias's parameters without a gradient per score (see the module docstring).
+
+        ``[]`` when there is nothing to differentiate; ``None`` when the scheme has a learnable bias but declares no
+        such form (backends then differentiate the score_mod directly, correct but slow).
+        """
+        return None if self.learnable_bias else []
 
     def constrain_(self) -> None:
         """Project parameters back into their valid range after an optimiser step (KERPLE's positivity)."""

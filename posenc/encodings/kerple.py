@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
-from posenc.encodings.base import PositionalEncoding, ScoreMod, distances
+from posenc.encodings.base import DerivativeForm, PositionalEncoding, ScoreMod, distances
 
 EPS = 1e-2
 
@@ -51,14 +51,38 @@ class _Kerple(PositionalEncoding):
         d = torch.arange(num_distances, device=self.r1.device, dtype=torch.float32)[None]
         return self.kernel(d, self.r1.float()[:, None], self.r2.float()[:, None])
 
-    def score_mod(self) -> ScoreMod:
+    def score_mod(self, detached: bool = False) -> ScoreMod:
         r1, r2, kernel = self.r1, self.r2, self.kernel
+        if detached:
+            r1, r2 = r1.detach(), r2.detach()
 
         def kerple(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             d = (q_idx - kv_idx).clamp(min=0).to(torch.float32)
             return score + kernel(d, r1[h].float(), r2[h].float())
 
         return kerple
+
+    def log_derivatives(self, d: Tensor, r2: Tensor) -> tuple[Tensor, Tensor]:
+        """The logs of f_r1 and f_r2, where ∂b/∂r1 = -f_r1 and ∂b/∂r2 = -r1 · f_r2 (both f ≥ 0, -inf where f = 0)."""
+        raise NotImplementedError
+
+    def bias_gradient_forms(self) -> list[DerivativeForm]:
+        # Both derivatives are -(a per-head scale) · (a non-negative function of d): the note's Identity 1 with
+        # scales -1 (r1) and -r1 (r2). The factors read r2 detached: forms are evaluated as constants.
+        r2, log_derivatives = self.r2.detach(), self.log_derivatives
+
+        def log_factor(which: int) -> ScoreMod:
+            def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                d = (q_idx - kv_idx).clamp(min=0).to(torch.float32)
+                return score + log_derivatives(d, r2[h].float())[which]
+
+            return mod
+
+        minus_one = torch.full_like(self.r1, -1.0, dtype=torch.float32).detach()
+        return [
+            DerivativeForm(self.r1, minus_one, log_factor(0)),
+            DerivativeForm(self.r2, -self.r1.detach().float(), log_factor(1)),
+        ]
 
 
 @register
@@ -71,6 +95,11 @@ class KerpleLog(_Kerple):
 
     def kernel(self, d: Tensor, r1: Tensor, r2: Tensor) -> Tensor:
         return -r1 * torch.log1p(r2 * d)
+
+    def log_derivatives(self, d: Tensor, r2: Tensor) -> tuple[Tensor, Tensor]:
+        # ∂b/∂r1 = -log(1 + r2·d), ∂b/∂r2 = -r1 · d / (1 + r2·d); both factors vanish at d = 0 (log 0 = -inf).
+        log1p = torch.log1p(r2 * d)
+        return torch.log(log1p), torch.log(d) - log1p
 
 
 @register
@@ -86,3 +115,10 @@ class KerplePower(_Kerple):
         # d^r2 at d = 0 is 0, but its derivative in r2 (d^r2 · ln d) is 0 · -inf: take it on d ≥ 1 only.
         powered = torch.where(d > 0, d.clamp(min=1.0) ** r2, torch.zeros_like(d * r2))
         return -r1 * powered
+
+    def log_derivatives(self, d: Tensor, r2: Tensor) -> tuple[Tensor, Tensor]:
+        # ∂b/∂r1 = -d^r2, ∂b/∂r2 = -r1 · d^r2 · ln d; distances are integers, so ln d ≥ 0 and the factor is 0 at
+        # d ≤ 1 (where log gives -inf, the masked value the identity wants).
+        log_d = torch.log(d)
+        log_power = torch.where(d > 0, r2 * log_d, float("-inf"))
+        return log_power, torch.where(d > 1, log_power + torch.log(log_d), float("-inf"))

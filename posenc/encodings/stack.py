@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from posenc.encodings.base import PositionalEncoding, ScoreMod
+from posenc.encodings.base import BiasGradientForm, PositionalEncoding, ScoreMod
 
 
 class Stack(PositionalEncoding):
@@ -59,8 +59,8 @@ class Stack(PositionalEncoding):
             return None
         return sum(biases[1:], biases[0])
 
-    def score_mod(self) -> ScoreMod | None:
-        mods = [mod for mod in (m.score_mod() for m in self.parts) if mod is not None]
+    def score_mod(self, detached: bool = False) -> ScoreMod | None:
+        mods = [mod for mod in (m.score_mod(detached=detached) for m in self.parts) if mod is not None]
         if not mods:
             return None
         if len(mods) == 1:
@@ -77,6 +77,16 @@ class Stack(PositionalEncoding):
     def distance_bias(self, num_distances: int) -> Tensor:
         tables = [m.distance_bias(num_distances) for m in self.parts if m.adds_bias]
         return sum(tables[1:], tables[0])
+
+    def bias_gradient_forms(self) -> list[BiasGradientForm] | None:
+        # Biases add, so each member's parameters keep their own forms; one undeclared member undeclares the stack.
+        forms: list[BiasGradientForm] = []
+        for member in self.parts:
+            member_forms = member.bias_gradient_forms()
+            if member_forms is None:
+                return None
+            forms += member_forms
+        return forms
 
     def constrain_(self) -> None:
         for member in self.parts:

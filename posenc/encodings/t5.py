@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
-from posenc.encodings.base import PositionalEncoding, ScoreMod
+from posenc.encodings.base import PositionalEncoding, ScoreMod, TableForm
 
 
 def t5_bucket(d: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
@@ -45,6 +45,11 @@ class T5Bias(PositionalEncoding):
         self.max_distance = max_distance
         # HF T5 initialises the table with std d_model^-0.5.
         self.table = nn.Parameter(torch.randn(num_heads, num_buckets) * (num_heads * head_dim) ** -0.5)
+        # Buckets of distances 0 .. horizon, where the horizon is the first distance of the last bucket (113 for
+        # 32 buckets up to 128): buckets never decrease with distance and max_distance is already in the last.
+        in_last = self.bucket(torch.arange(max_distance + 1)) == num_buckets - 1
+        self.horizon = int(in_last.to(torch.int64).argmax())
+        self.register_buffer("horizon_buckets", self.bucket(torch.arange(self.horizon + 1)), persistent=False)
 
     def bucket(self, d: Tensor) -> Tensor:
         return t5_bucket(d, self.num_buckets, self.max_distance)
@@ -57,13 +62,19 @@ class T5Bias(PositionalEncoding):
         d = torch.arange(num_distances, device=self.table.device)
         return self.table.float()[:, self.bucket(d)]
 
-    def score_mod(self) -> ScoreMod:
+    def score_mod(self, detached: bool = False) -> ScoreMod:
         table, num_buckets, max_distance = self.table, self.num_buckets, self.max_distance
+        if detached:
+            table = table.detach()
 
         def t5(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return score + table[h, t5_bucket(q_idx - kv_idx, num_buckets, max_distance)].float()
 
         return t5
+
+    def bias_gradient_forms(self) -> list[TableForm]:
+        # The note's Identity 2: only distances below the horizon need dS; the last bucket gets minus their sum.
+        return [TableForm(self.table, self.horizon_buckets)]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_buckets={self.num_buckets}, max_distance={self.max_distance}"
