@@ -14,7 +14,19 @@ from torch import Tensor
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
-from posenc.encodings.rope import rotate_half
+from posenc.encodings.rope import fused_on_gpu, rotate_half
+
+
+@fused_on_gpu
+def xpos_rotate(
+    x: Tensor, pos: Tensor, centre: Tensor, inv_freq: Tensor, zeta: Tensor, sign: float, scale_base: float
+) -> Tensor:
+    """RoPE on ``x`` (B, H, L, D) scaled by ζ^(sign · (pos − centre) / γ) per channel pair, fp32 inside."""
+    theta = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # (L, D/2)
+    exponent = sign * (pos - centre).to(torch.float32)[:, None] / scale_base
+    scale = zeta[None, :] ** exponent  # (L, D/2)
+    rotated = rotate_half(x, theta.cos(), theta.sin())
+    return (rotated * torch.cat((scale, scale), dim=-1)).to(x.dtype)
 
 
 @register
@@ -34,16 +46,13 @@ class XPos(PositionalEncoding):
         self.register_buffer("inv_freq", (self.base ** (-half / head_dim)).float(), persistent=False)
         self.register_buffer("zeta", ((half + 0.4 * head_dim) / (1.4 * head_dim)).float(), persistent=False)
 
-    def _rotate_scaled(self, x: Tensor, pos: Tensor, centre: Tensor, sign: float) -> Tensor:
-        theta = pos.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (L, D/2)
-        exponent = sign * (pos - centre).to(torch.float32)[:, None] / self.scale_base
-        scale = self.zeta[None, :] ** exponent  # (L, D/2)
-        rotated = rotate_half(x, theta.cos(), theta.sin())
-        return (rotated * torch.cat((scale, scale), dim=-1)).to(x.dtype)
-
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         centre = (k_pos[-1] + 2) // 2  # torchscale: positions run from -ceil(L/2)
-        return self._rotate_scaled(q, q_pos, centre, 1.0), self._rotate_scaled(k, k_pos, centre, -1.0)
+        # Queries are scaled up (sign +1), keys down (sign -1).
+        return (
+            xpos_rotate(q, q_pos, centre, self.inv_freq, self.zeta, 1.0, self.scale_base),
+            xpos_rotate(k, k_pos, centre, self.inv_freq, self.zeta, -1.0, self.scale_base),
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, base={self.base}, scale_base={self.scale_base}"
