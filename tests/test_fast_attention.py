@@ -1,0 +1,235 @@
+"""The fast paths equal the dense reference: flex_learnable's values and gradients (q, k, v and bias parameters),
+the declarations it relies on (bias_gradient_forms, score_mod(detached=True)), auto's choice, the fused rotation,
+and per-block compilation (no recompiling per evaluation length)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, make
+
+import posenc.attention.bias_grad as bias_grad
+from posenc.attention import get_backend
+from posenc.attention.auto import choose
+from posenc.attention.bias_grad import diagonal_sums, row_deltas
+from posenc.encodings.base import DerivativeForm, TableForm
+from posenc.encodings.kerple import KerpleLog
+from posenc.lit import compile_blocks, should_compile
+from posenc.model import Decoder
+
+LEARNABLE = ["kerple_log", "kerple_power", "t5", "alibi+kerple_log+t5", "rope+kerple_power"]
+T5_PAST_HORIZON = 150  # the default T5 horizon is 113: longer windows exercise the last bucket
+
+
+def _grads(backend: str, name: str, length: int, first_pos: int = 0, **cfg) -> list[torch.Tensor]:
+    """Output and gradients of q, k, v and every parameter under a non-uniform output gradient."""
+    torch.manual_seed(7)
+    enc = make(name, **cfg)
+    pos = torch.arange(first_pos, first_pos + length)
+    q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
+    rotated_q, rotated_k = enc.rotate(q, k, pos, pos)
+    out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos)
+    weights = torch.randn(out.shape)
+    (out * weights).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in enc.parameters() if p.requires_grad)]
+
+
+@pytest.mark.parametrize("name", LEARNABLE)
+def test_flex_learnable_matches_eager_values_and_gradients(name: str) -> None:
+    length = T5_PAST_HORIZON if "t5" in name else 37
+    expected = _grads("eager", name, length)
+    got = _grads("flex_learnable", name, length)
+    assert len(got) == len(expected) > 4  # the bias parameters are there and receive gradients
+    for value, reference in zip(got, expected, strict=True):
+        assert value is not None
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_t5_last_bucket_gradient_comes_from_the_row_sums() -> None:
+    # Identity 2: the last bucket's gradient is minus the others' sum; it must be non-zero here and exact.
+    got, expected = _grads("flex_learnable", "t5", 300)[-1], _grads("eager", "t5", 300)[-1]
+    assert expected[:, -1].abs().min() > 1e-4
+    torch.testing.assert_close(got[:, -1], expected[:, -1], atol=1e-5, rtol=1e-4)
+
+
+def test_flex_learnable_respects_the_window_offset() -> None:
+    for got, expected in zip(
+        _grads("flex_learnable", "alibi+kerple_log+t5", 130, first_pos=900),
+        _grads("eager", "alibi+kerple_log+t5", 130, first_pos=900),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_band_in_many_chunks_and_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small chunks and a small budget: windows straddle the horizon and the band runs in several groups.
+    monkeypatch.setattr(bias_grad, "BAND_CHUNK", 8)
+    monkeypatch.setattr(bias_grad, "BAND_MAX_ELEMENTS", 2 * HEADS * 8 * (8 + 14 - 1) * 3)
+    cfg = {"num_buckets": 8, "max_distance": 20}  # horizon 14
+    for got, expected in zip(_grads("flex_learnable", "t5", 61, **cfg), _grads("eager", "t5", 61, **cfg), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_diagonal_sums_equal_the_dense_diagonals() -> None:
+    length, width = 45, 20
+    enc = make("alibi+t5")
+    pos = torch.arange(length)
+    q, k, v, dout = (torch.randn(2, HEADS, length, HEAD_DIM, dtype=torch.float64) for _ in range(4))
+    scores = q @ k.transpose(-1, -2) / HEAD_DIM**0.5 + enc.bias(pos, pos).double()
+    scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    probs = scores.softmax(-1)
+    out = probs @ v
+    dscores = probs * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))  # fp64 throughout
+    expected = torch.stack([dscores.diagonal(-d, -2, -1).sum(dim=(0, 2)) for d in range(width)], dim=-1)
+    got = diagonal_sums(q, k, v, scores.logsumexp(-1), dout, row_deltas(out, dout), enc.distance_bias(width))
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-4)
+    # Identity 2's premise: every row of dS sums to zero.
+    torch.testing.assert_close(dscores.sum(-1), torch.zeros_like(dscores.sum(-1)), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
+def test_derivative_forms_are_the_bias_derivatives(name: str) -> None:
+    enc = make(name)
+    pos = torch.arange(30)
+    q_idx, k_idx = torch.tril_indices(30, 30)
+    forms = enc.bias_gradient_forms()
+    assert all(isinstance(form, DerivativeForm) for form in forms) and len(forms) == 2
+    weights = torch.rand(q_idx.shape)  # random weights per (i, j): a wrong f cannot cancel out
+    for form in forms:
+        # Σ_ij w_ij ∂b[h, i, j]/∂θ[h]; a parameter moves only its own head, so one gradient covers every head.
+        (derivative,) = torch.autograd.grad((enc.bias(pos, pos)[:, q_idx, k_idx] * weights).sum(), form.parameter)
+        for h in range(HEADS):
+            log_f = form.log_factor(torch.zeros(q_idx.shape), torch.tensor(0), torch.tensor(h), q_idx, k_idx)
+            assert not log_f.isnan().any()  # f ≥ 0 everywhere (log f = -inf where it vanishes)
+            declared = (weights * form.scale[h] * log_f.exp()).sum()
+            torch.testing.assert_close(declared, derivative[h], atol=1e-4, rtol=1e-5)
+
+
+def test_t5_table_form_reproduces_its_bias_past_the_horizon() -> None:
+    enc = make("t5")
+    (form,) = enc.bias_gradient_forms()
+    assert isinstance(form, TableForm) and form.horizon == 113
+    assert form.index[form.horizon - 1] != form.index[form.horizon]  # the horizon is the last bucket's start
+    distances = torch.arange(400)
+    via_form = form.table[:, form.index[distances.clamp(max=form.horizon)]]
+    torch.testing.assert_close(via_form, enc.distance_bias(400))
+
+
+@pytest.mark.parametrize("name", BIAS_SCHEMES)
+def test_detached_score_mod_has_the_same_values_and_no_gradient(name: str) -> None:
+    enc = make(name)
+    q_idx, k_idx = torch.tril_indices(40, 40)
+    args = (torch.zeros(q_idx.shape), torch.tensor(0), torch.tensor(1), q_idx, k_idx)
+    live, detached = enc.score_mod()(*args), enc.score_mod(detached=True)(*args)
+    torch.testing.assert_close(detached, live)
+    assert not detached.requires_grad
+    assert live.requires_grad == enc.learnable_bias
+
+
+def test_stack_forms_are_its_members_forms() -> None:
+    stack = make("alibi+kerple_log+t5")
+    kinds = [type(form) for form in stack.bias_gradient_forms()]
+    assert kinds == [DerivativeForm, DerivativeForm, TableForm]
+    assert make("rope+alibi").bias_gradient_forms() == []
+
+
+class _Undeclared(KerpleLog):
+    """A learnable bias that declares no gradient form: only the slow generic path can train it."""
+
+    def bias_gradient_forms(self) -> None:
+        return None
+
+
+def test_auto_picks_by_declaration() -> None:
+    assert choose(make("kerple_log"), is_cuda=True) == "flex_learnable"
+    assert choose(make("alibi+kerple_log+t5"), is_cuda=True) == "flex_learnable"
+    assert choose(make("kerple_log", learnable=False), is_cuda=True) == "flex"  # a frozen bias is a fixed bias
+    assert choose(make("rope+alibi"), is_cuda=True) == "flex"
+    assert choose(make("xpos"), is_cuda=True) == "sdpa"
+    assert choose(make("t5"), is_cuda=False) == "sdpa"
+    undeclared = _Undeclared(HEADS, HEAD_DIM)
+    assert choose(undeclared, is_cuda=True) == "flex"
+    pos = torch.arange(8)
+    q = torch.randn(1, HEADS, 8, HEAD_DIM)
+    with pytest.raises(ValueError, match="declares bias_gradient_forms"):
+        get_backend("flex_learnable")(q, q, q, undeclared, pos, pos)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_flex_learnable_forward_matches_eager_for_every_scheme(name: str) -> None:
+    enc = make(name)
+    pos = torch.arange(29)
+    q, k, v = (torch.randn(2, HEADS, 29, HEAD_DIM, requires_grad=True) for _ in range(3))
+    with torch.no_grad():  # inputs that require grad, as in evaluation of a training model
+        got = get_backend("flex_learnable")(q, k, v, enc, pos, pos)
+        flex = get_backend("flex")(q, k, v, enc, pos, pos)
+        expected = get_backend("eager")(q, k, v, enc, pos, pos)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(flex, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_frozen_kerple_trains_through_flex_learnable_as_a_constant() -> None:
+    got = _grads("flex_learnable", "kerple_log", 33, learnable=False)
+    expected = _grads("eager", "kerple_log", 33, learnable=False)
+    assert len(got) == 4
+    for value, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_model_trains_the_same_through_flex_learnable() -> None:
+    kwargs = {"vocab_size": 50, "dim": 32, "depth": 2, "heads": 4}
+    torch.manual_seed(0)
+    reference = Decoder(["rope+kerple_log", "t5"], attention="eager", **kwargs)
+    model = Decoder(["rope+kerple_log", "t5"], attention="flex_learnable", **kwargs)
+    model.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, 50, (2, 41))
+    losses = [m.loss(tokens[:, :-1], tokens[:, 1:]) for m in (model, reference)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rotation_is_not_compiled_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.compile called for a CPU rotation")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    pos = torch.arange(10)
+    for name in ("rope", "xpos"):
+        q = torch.randn(1, HEADS, 10, HEAD_DIM)
+        rotated, _ = make(name).rotate(q, q, pos, pos)
+        assert rotated.shape == q.shape and not torch.equal(rotated, q)
+
+
+def test_compile_setting() -> None:
+    assert should_compile(True, "cpu") and not should_compile(False, "gpu")
+    assert should_compile("true", "cpu") and not should_compile("false", "gpu")
+    assert should_compile("auto", "auto") == torch.cuda.is_available()
+    assert not should_compile("auto", "cpu")
+    with pytest.raises(ValueError, match="compile must be auto, true or false"):
+        should_compile("yes", "gpu")
+
+
+def test_compiled_blocks_do_not_recompile_per_length() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    kwargs = {"vocab_size": 50, "dim": 32, "depth": 2, "heads": 4, "attention": "sdpa"}
+    reference = Decoder(["rope", "alibi"], **kwargs).eval()
+    model = Decoder(["rope", "alibi"], **kwargs).eval()
+    model.load_state_dict(reference.state_dict())
+    keys = list(model.state_dict())
+    counter = CompileCounter()
+    compile_blocks(model, backend=counter)
+    assert list(model.state_dict()) == keys  # checkpoints stay interchangeable
+    frames = []
+    with torch.no_grad():
+        for length in (16, 24, 40, 72, 100, 130):
+            tokens = torch.randint(0, 50, (2, length))
+            torch.testing.assert_close(model(tokens), reference(tokens), atol=1e-5, rtol=1e-5)
+            frames.append(counter.frame_count)
+    # The training length and the first new one compile; every later length reuses the dynamic graphs.
+    assert frames[1] == frames[-1] > 0, frames
