@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, make
+from torch.nn.attention.flex_attention import create_block_mask
 
 import posenc.attention.bias_grad as bias_grad
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
 from posenc.attention.bias_grad import diagonal_sums, row_deltas
+from posenc.attention.flex import _causal, build_causal_block_mask
 from posenc.encodings.base import DerivativeForm, TableForm
 from posenc.encodings.kerple import KerpleLog
 from posenc.lit import compile_blocks, should_compile
@@ -85,6 +87,16 @@ def test_diagonal_sums_equal_the_dense_diagonals() -> None:
     torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-4)
     # Identity 2's premise: every row of dS sums to zero.
     torch.testing.assert_close(dscores.sum(-1), torch.zeros_like(dscores.sum(-1)), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("length", [1, 37, 128, 129, 300])
+def test_causal_block_mask_is_create_block_masks(length: int) -> None:
+    expected = create_block_mask(_causal, None, None, length, length, device="cpu")
+    got = build_causal_block_mask(length, "cpu")
+    assert got.seq_lengths == expected.seq_lengths
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert torch.equal(got.to_dense(), expected.to_dense())
 
 
 @pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
@@ -233,3 +245,23 @@ def test_compiled_blocks_do_not_recompile_per_length() -> None:
             frames.append(counter.frame_count)
     # The training length and the first new one compile; every later length reuses the dynamic graphs.
     assert frames[1] == frames[-1] > 0, frames
+
+
+@pytest.mark.slow
+def test_flex_learnable_survives_compiled_autograd() -> None:
+    # aot_eager traces forward and backward the way inductor does (without generating code): the identity-valued
+    # autograd node and its backward must trace without graph breaks and give the eager reference's gradients.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    kwargs = {"vocab_size": 50, "dim": 32, "depth": 1, "heads": 4}
+    reference = Decoder("alibi+kerple_log+t5", attention="eager", **kwargs)
+    model = Decoder("alibi+kerple_log+t5", attention="flex_learnable", **kwargs)
+    model.load_state_dict(reference.state_dict())
+    compile_blocks(model, backend="aot_eager")
+    tokens = torch.randint(0, 50, (2, 130))
+    for m in (model, reference):
+        m.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-5, rtol=1e-4)

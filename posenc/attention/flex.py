@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 try:  # torch ≥ 2.9 asks for the lse through return_aux (return_lse is deprecated there)
     from torch.nn.attention.flex_attention import AuxRequest
@@ -31,10 +31,49 @@ def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return q_idx >= kv_idx
 
 
+BLOCK = 128  # FlexAttention's default block size
+
+
+def build_causal_block_mask(length: int, device: str | torch.device) -> BlockMask:
+    """The causal block mask written down directly: O((L/128)²) integers, never the (L × L) mask.
+
+    ``create_block_mask`` evaluates the mask_mod on every (q, kv) pair, a dense L × L boolean (4 GiB at 64k)
+    and, inside a compiled model, L² work on every call. Causality needs no evaluation: query block i sees key
+    blocks j < i in full and its diagonal block partially. When L is not a multiple of the block, the last query
+    block's blocks are all partial, as ``create_block_mask`` marks them.
+    """
+    blocks = -(-length // BLOCK)
+    rows = torch.arange(blocks, device=device, dtype=torch.int32)
+    ordered = rows[None, :].expand(blocks, blocks)  # row i lists blocks 0, 1, ...: its first i are the full ones
+    diagonal_first = torch.cat((rows[:, None], ordered[:, 1:]), dim=1)  # row i starts with block i
+    full_counts = rows.clone()
+    partial_counts = torch.ones_like(rows)
+    partial_indices = diagonal_first
+    if length % BLOCK:
+        full_counts[-1] = 0
+        partial_counts[-1] = blocks
+        partial_indices = torch.cat((diagonal_first[:-1], ordered[-1:]), dim=0)
+    return BlockMask.from_kv_blocks(
+        partial_counts[None, None],
+        partial_indices[None, None].contiguous(),
+        full_counts[None, None],
+        ordered[None, None].contiguous(),
+        BLOCK_SIZE=BLOCK,
+        mask_mod=_causal,
+        seq_lengths=(length, length),
+    )
+
+
 @functools.lru_cache(maxsize=32)
+def _cached_causal_block_mask(length: int, device: str) -> BlockMask:
+    return build_causal_block_mask(length, device)
+
+
 def causal_block_mask(length: int, device: str) -> BlockMask:
-    """Causal block mask for one length, built once: building it costs more than a small forward."""
-    return create_block_mask(_causal, None, None, length, length, device=device)
+    """Causal block mask for one length: built once per length, or traced (cheaply) into a compiled graph."""
+    if torch.compiler.is_compiling():  # dynamo would trace through the cache anyway, and warn about it
+        return build_causal_block_mask(length, device)
+    return _cached_causal_block_mask(length, device)
 
 
 RECOMPILE_LIMIT = 64  # compiled variants of flex: one per score_mod code, dtype, grad mode (and static length)
