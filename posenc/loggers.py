@@ -4,6 +4,10 @@ W&B must never hang or prompt: with ``mode: auto`` the run goes online only when
 the W&B host answers within two seconds; otherwise it is written offline into the run directory and can be
 uploaded later with ``wandb sync``. ``WANDB_MODE`` in the environment always wins. wandb is imported only when
 the W&B logger is actually built.
+
+Sweep jobs log into their sweep's group, under a run id that stays the same when a job is relaunched, so a
+resumed job continues its own W&B run (offline: ``wandb sync`` uploads the pieces of one run in order).
+Only rank zero talks to W&B.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, Logger
+
+from posenc.sweep import global_rank
 
 
 def _api_key_configured() -> bool:
@@ -50,7 +56,10 @@ def resolve_wandb_mode(requested: str) -> str:
 def build_loggers(
     cfg: dict[str, Any], run_dir: Path, run_name: str, config: dict[str, Any], tags: list[str]
 ) -> list[Logger]:
-    """The loggers the run asked for; ``tags`` (scheme, length, seed) are added to W&B's."""
+    """The loggers the run asked for; ``tags`` (scheme, length, seed) are added to W&B's.
+
+    For W&B, ``cfg`` may carry ``group`` (a sweep's) and ``id`` (a run id to continue when it exists).
+    """
     kind = cfg.get("kind", "none")
     if kind == "none":
         return []
@@ -62,6 +71,8 @@ def build_loggers(
         mode = resolve_wandb_mode(cfg.get("mode", "auto"))
         if mode == "disabled":
             return []
+        # Under ddp_spawn the workers attach to the run and put its media under WANDB_DIR, which they inherit.
+        os.environ["WANDB_DIR"] = str(run_dir)
         logger = WandbLogger(
             project=cfg.get("project", "posenc"),
             entity=cfg.get("entity"),
@@ -71,9 +82,24 @@ def build_loggers(
             save_dir=str(run_dir),
             mode=mode,
             config=config,
+            id=cfg.get("id"),  # with Lightning's resume="allow": continue that run if it exists
         )
-        if mode == "offline":
+        if mode == "offline" and global_rank() == 0:
             print(f"W&B is offline; the run is in {run_dir}/wandb. Upload it later with:")
             print(f"  wandb sync {run_dir}/wandb/offline-run-*")
         return [logger]
     raise ValueError(f"unknown logger kind {kind!r}; use logger=wandb, logger=csv or logger=none")
+
+
+def finish_loggers(loggers: list[Logger], success: bool) -> None:
+    """Close the run's loggers; W&B's run is finished so that the next job of a sweep starts its own.
+
+    (Lightning's ``WandbLogger`` reuses any W&B run still open in the process, and a multirun's jobs share one.)
+    """
+    for logger in loggers:
+        logger.finalize("success" if success else "failed")
+        if type(logger).__name__ == "WandbLogger":
+            import wandb
+
+            if wandb.run is not None:
+                wandb.finish(exit_code=0 if success else 1)

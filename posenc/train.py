@@ -2,14 +2,17 @@
 
 Hydra composes the config (``conf/train.yaml``), Lightning trains, and the run ends with the extrapolation
 evaluation (perplexity at 1×…32× the training length, printed and written to ``<run>/eval``). Everything a
-run writes lands in its directory under ``outputs/``: the resolved config, checkpoints, logs, ``run.json``.
+run writes lands in its directory under ``outputs/``: the resolved config, checkpoints, logs, ``run.json``, and
+last ``done.json``, the mark of a complete run. ``-m`` runs a sweep (``sweeps/``, ``posenc/sweep.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +20,28 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ThroughputMonitor
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from omegaconf import DictConfig, open_dict
 
 from posenc.config import CONF_DIR, require_encoding, to_container
 from posenc.data.datamodule import TaskDataModule, TextDataModule
-from posenc.evaluate.runner import ExtrapolationEval
+from posenc.evaluate.runner import RESULTS_FILE, ExtrapolationEval
 from posenc.lit import LitDecoder
-from posenc.loggers import build_loggers
+from posenc.loggers import build_loggers, finish_loggers
+from posenc.sweep import (
+    DONE_FILE,
+    job_state,
+    join_submitit_tasks,
+    read_checkpoint,
+    wandb_group,
+    wandb_run_id,
+    write_done,
+)
+
+# Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
+# training windows are numbered, and a resumed run starts after those it trained on (TokenAccounting).
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def resolve_precision(requested: str, accelerator: str) -> str:
@@ -66,59 +83,165 @@ def run_info(config: dict[str, Any], label: str, data_info: dict[str, Any]) -> d
     }
 
 
+class TokenAccounting(Callback):
+    """Sizes the training stream for the world Lightning resolved; logs tokens seen and tokens/s over all ranks.
+
+    ``data.batch_size`` is per device, so one optimizer step consumes ``batch_size × accumulate × world_size``
+    windows: the global batch. The world size is only known once Lightning has parsed ``devices`` (``auto``,
+    lists) and ``num_nodes``, hence ``setup``. Training windows are numbered ``(seed, start_sample + index)``; a
+    run resumed at step s starts after the s global batches it already trained on, so it sees fresh windows.
+    Tokens/s is global (steps are in lockstep across ranks) and leaves out validation time.
+    """
+
+    def __init__(self, max_steps: int, resume_step: int) -> None:
+        self.max_steps, self.resume_step = max_steps, resume_step
+        self.accounting: dict[str, int] = {}
+        self.last_step, self.last_time, self.paused_at = 0, 0.0, None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        data = trainer.datamodule
+        self.accounting = global_batch(data.batch_size, trainer, data.seq_len)
+        # The whole run's windows, so that the epoch (all of it) ends at max_steps after a resume too.
+        data.num_samples = self.max_steps * self.accounting["global_batch_size"]
+        data.start_sample = self.resume_step * self.accounting["global_batch_size"]
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(self.accounting)
+            print(
+                f"{trainer.world_size} process(es) × batch {trainer.datamodule.batch_size} × accumulation "
+                f"{trainer.accumulate_grad_batches} = global batch {self.accounting['global_batch_size']} "
+                f"({self.accounting['tokens_per_step']} tokens per step)"
+                + (f"; resuming at step {self.resume_step}" if self.resume_step else "")
+            )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.last_step, self.last_time = trainer.global_step, time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self.last_step or step % trainer.log_every_n_steps:  # Lightning logs at these steps
+            return
+        now = time.perf_counter()
+        tokens_per_step = self.accounting["tokens_per_step"]
+        rate = (step - self.last_step) * tokens_per_step / max(now - self.last_time, 1e-9)
+        # Through Lightning's logging, so these share the x-axis of train/loss; rank zero's values are logged.
+        pl_module.log_dict({"train/tokens": float(step * tokens_per_step), "train/tokens_per_sec": rate})
+        self.last_step, self.last_time = step, now
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.paused_at = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.paused_at is not None:
+            self.last_time += time.perf_counter() - self.paused_at
+            self.paused_at = None
+
+
+def global_batch(batch_size: int, trainer: L.Trainer, seq_len: int) -> dict[str, int]:
+    """What one optimizer step consumes across all ranks (recorded in run.json and the loggers)."""
+    windows = batch_size * trainer.accumulate_grad_batches * trainer.world_size
+    return {"world_size": trainer.world_size, "global_batch_size": windows, "tokens_per_step": windows * seq_len}
+
+
+def resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint ``resume`` names (``last``: this run's own), or ``None`` to start fresh."""
+    if resume is None:
+        return None
+    path = run_dir / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
+    if not path.is_file():
+        raise SystemExit(f"resume={resume}: there is no checkpoint at {path}")
+    return path
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Train one run into ``run_dir``; return its summary (also written to ``run_dir/run.json``)."""
+    """Train one run into ``run_dir``; return its summary (also written to ``run_dir/run.json``).
+
+    Ends by writing ``run_dir/done.json`` on rank zero, after the evaluation and the loggers: a run without it
+    did not finish, which is how a relaunched sweep tells what to skip.
+    """
     config = to_container(cfg)
+    resume = resume_checkpoint(config.get("resume"), run_dir)
+    resume_step = read_checkpoint(resume)[0] if resume is not None else 0
     run_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(config["seed"], workers=True, verbose=False)
     trainer_cfg = dict(config["trainer"])
     trainer_cfg["precision"] = resolve_precision(trainer_cfg["precision"], trainer_cfg["accelerator"])
     if isinstance(trainer_cfg.get("val_check_interval"), int):  # one epoch is the whole run: validate within it
         trainer_cfg["val_check_interval"] = min(trainer_cfg["val_check_interval"], trainer_cfg["max_steps"])
-    devices = trainer_cfg["devices"] if isinstance(trainer_cfg["devices"], int) and trainer_cfg["devices"] > 0 else 1
+    # Sized for one process here; TokenAccounting resizes it for the world size once Lightning knows it.
     samples = trainer_cfg["max_steps"] * config["data"]["batch_size"] * trainer_cfg["accumulate_grad_batches"]
-    datamodule = build_datamodule(config, samples * devices * trainer_cfg["num_nodes"])
+    datamodule = build_datamodule(config, samples)
     data_info = datamodule.describe()
     module = LitDecoder(config, vocab_size=datamodule.vocab_size)
     label = module.model.label
     info = run_info(config, label, data_info)
     seq_len = config["data"]["seq_len"]
     tags = [label, f"L{seq_len}", f"seed{config['seed']}", *module.model.scheme_names]
-    loggers = build_loggers(config["logger"], run_dir, config["run_name"], {**config, "data_info": data_info}, tags)
-    callbacks: list[Callback] = [ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)]
-    if loggers:  # both only log, and refuse to run without a logger
-        callbacks += [
-            LearningRateMonitor(logging_interval="step"),
-            ThroughputMonitor(
-                batch_size_fn=lambda batch: batch[0].shape[0], length_fn=lambda batch: batch[0].numel(), separator="/"
-            ),
-        ]
+    logged_config = {**config, "label": label, "data_info": data_info}
+    loggers = build_loggers(config["logger"], run_dir, config["run_name"], logged_config, tags)
+    callbacks: list[Callback] = [
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints",
+            save_last=True,
+            save_top_k=0,
+            every_n_train_steps=config["checkpoint_every_n_steps"],
+        ),
+        TokenAccounting(trainer_cfg["max_steps"], resume_step),
+    ]
+    if loggers:  # it only logs, and refuses to run without a logger
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
     evaluation = None
     if config["eval"]["at_end"]:
         task = config["data"].get("task")
-        evaluation = ExtrapolationEval(
-            info, config["eval"], run_dir / "eval", lambda: datamodule.stream(config["eval"]["split"]), task
-        )
+        stream = functools.partial(datamodule.stream, config["eval"]["split"])  # picklable, for ddp_spawn
+        evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
         callbacks.append(evaluation)
     trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
-    resume = config.get("resume")
-    if resume == "last":
-        resume = str(run_dir / "checkpoints" / "last.ckpt")
     started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    except BaseException:
+        finish_loggers(loggers, success=False)
+        raise
+    accounting = global_batch(config["data"]["batch_size"], trainer, seq_len)
+    steps = trainer.global_step or _checkpoint_step(run_dir)  # 0 here under ddp_spawn: it trained in children
+    resumed_from = None
+    if resume is not None:
+        first_window = resume_step * accounting["global_batch_size"]
+        resumed_from = {"checkpoint": str(resume), "step": resume_step, "start_sample": first_window}
     summary: dict[str, Any] = {
         **info,
-        "steps": trainer.global_step,
+        "steps": steps,
+        **accounting,
+        "tokens": steps * accounting["tokens_per_step"],
+        "resumed_from": resumed_from,
         "train_seconds": time.perf_counter() - started,
         "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
-        "eval": evaluation.results["summary"] if evaluation is not None and evaluation.results else None,
+        "eval": _eval_summary(evaluation, run_dir),
     }
+    finish_loggers(loggers, success=True)
     if trainer.is_global_zero:
         (run_dir / "run.json").write_text(json.dumps(summary, indent=2, default=_json_default))
-    for logger in loggers:
-        logger.finalize("success")
+        write_done(run_dir, config, steps)
     return summary
+
+
+def _checkpoint_step(run_dir: Path) -> int:
+    """The last checkpoint's step, for when this process's trainer did not train (ddp_spawn)."""
+    path = run_dir / "checkpoints" / "last.ckpt"
+    return read_checkpoint(path)[0] if path.exists() else 0
+
+
+def _eval_summary(evaluation: ExtrapolationEval | None, run_dir: Path) -> dict[str, float] | None:
+    if evaluation is None:
+        return None
+    if evaluation.results:
+        return evaluation.results["summary"]
+    written = run_dir / "eval" / RESULTS_FILE  # ddp_spawn: rank zero evaluated in a child process
+    return json.loads(written.read_text())["summary"] if written.exists() else None
 
 
 def _json_default(value: Any) -> Any:
@@ -129,8 +252,21 @@ def _json_default(value: Any) -> Any:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_config = HydraConfig.get()
+    run_dir = Path(hydra_config.runtime.output_dir)
     require_encoding(cfg, "posenc.train", run_dir)
+    if hydra_config.mode == RunMode.MULTIRUN:
+        join_submitit_tasks()
+        state = job_state(run_dir, to_container(cfg))
+        if state.finished:
+            print(f"{cfg.run_name}: finished earlier ({run_dir / DONE_FILE}); skipping")
+            return
+        with open_dict(cfg):
+            if cfg.resume is None and state.checkpoint is not None:
+                cfg.resume = str(state.checkpoint)
+            if cfg.logger.kind == "wandb":
+                cfg.logger.group = cfg.logger.group or wandb_group(Path(hydra_config.sweep.dir), cfg.sweep_name)
+                cfg.logger.id = wandb_run_id(cfg.logger.group, cfg.run_name)
     train(cfg, run_dir)
 
 

@@ -1,0 +1,338 @@
+"""Sweeps (``python -m posenc.train -m …``): relaunchable, refusing what cannot work, one W&B group each.
+
+A sweep's jobs live in ``<output_root>/sweeps/<sweep_name>/<run_name>/`` (``run_name`` = scheme, training length,
+seed). The path holds the sweep's *name*, not its launch time, so relaunching the same sweep (after a crash, a
+SLURM time limit, or to add seeds) lands every job in its own directory again. There a job
+
+- **skips** when it finished earlier: ``done.json``, written last (after the evaluation, ``run.json`` and the
+  loggers), is the proof; a job killed at any earlier point has none;
+- **resumes** from ``checkpoints/last.ckpt`` when it started but did not finish;
+- **refuses** when that earlier run had other settings (a different ``trainer.max_steps``, say): mixing two
+  experiments under one name would make the sweep's report lie. Settings that only change how a run executes
+  or logs (``RUNTIME_KEYS``) may change between launches.
+
+The launch time lives in the W&B group instead (``<sweep_name>-<first launch time>``, kept in ``sweep.json``),
+so every launch of a sweep logs into one group, and a resumed job continues its own W&B run (a stable run id).
+
+Before the first job starts, ``SweepPreflight`` (a Hydra callback, ``conf/train.yaml``) composes every job's
+config and stops with one message, before anything is written, on what cannot work: a scheme missing, two jobs
+sharing a directory, changed settings, or Lightning's ``ddp`` under a launcher that runs jobs as plain local
+processes (Lightning starts ranks 1… by re-running the command line, which re-runs the whole multirun in each
+rank: Lightning issue #11300).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from posenc.config import require_encoding, to_container
+
+DONE_FILE = "done.json"
+SWEEP_FILE = "sweep.json"
+CHECKPOINT = Path("checkpoints") / "last.ckpt"
+# Config keys that say how a run executes or where it logs, not what it trains and evaluates: a relaunch may
+# change them (a key names itself and everything under it).
+RUNTIME_KEYS = (
+    "resume",
+    "output_root",
+    "sweep_name",
+    "run_name",
+    "logger",
+    "compile",
+    "checkpoint_every_n_steps",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "data.num_workers",
+    "data.cache_dir",
+    "eval.plots",
+)
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+# Launchers that run a job as one task per device (SLURM's model): Lightning joins the tasks, starts nothing.
+TASK_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.",)
+
+
+class SweepError(SystemExit):
+    """A sweep that cannot run as asked: the message says why and what to do (no traceback)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Job state: finished, interrupted, new
+
+
+def experiment_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config as dotted keys, without ``RUNTIME_KEYS``: what must match for a job to skip or resume."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if any(dotted == k or dotted.startswith(f"{k}.") for k in RUNTIME_KEYS):
+                continue
+            if isinstance(value, Mapping) and value:
+                walk(value, f"{dotted}.")
+            else:
+                flat[dotted] = value
+
+    walk(config, "")
+    return flat
+
+
+def setting_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """``key: old -> new`` for every experiment setting that differs between two configs."""
+    old, new = experiment_settings(before), experiment_settings(now)
+    missing = object()
+    return [
+        f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key, missing) != new.get(key, missing)
+    ]
+
+
+def read_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
+    """(global step, training config) of a Lightning checkpoint, without reading its tensors (mmap)."""
+    import torch
+
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return int(state["global_step"]), dict(state.get("hyper_parameters", {}).get("config", {}))
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What a relaunched job finds in its directory."""
+
+    run_dir: Path
+    finished: bool = False
+    checkpoint: Path | None = None  # set when the job resumes
+    step: int = 0  # the checkpoint's global step
+
+    @property
+    def action(self) -> str:
+        if self.finished:
+            return "finished"
+        return f"resume from step {self.step}" if self.checkpoint else "new"
+
+
+def job_state(run_dir: Path, config: Mapping[str, Any]) -> JobState:
+    """Finished (``done.json``), interrupted (a last checkpoint) or new; ``SweepError`` on changed settings."""
+    done, checkpoint = run_dir / DONE_FILE, run_dir / CHECKPOINT
+    if done.exists():
+        earlier, what = json.loads(done.read_text())["config"], "finished"
+        state = JobState(run_dir, finished=True)
+    elif checkpoint.exists():
+        step, earlier = read_checkpoint(checkpoint)
+        what, state = f"was interrupted at step {step}", JobState(run_dir, checkpoint=checkpoint, step=step)
+    else:
+        return JobState(run_dir)
+    changes = setting_changes(earlier, config)
+    if changes:
+        raise SweepError(
+            f"{run_dir} {what} with other settings than this launch asks for ({'; '.join(changes)}). "
+            "A sweep keeps its settings across relaunches: give this one a new sweep_name=..., or delete that "
+            "job's directory to run it again."
+        )
+    return state
+
+
+def write_done(run_dir: Path, config: Mapping[str, Any], steps: int) -> None:
+    """Mark a run complete; call it last. Atomic (write, then rename): a killed job leaves no marker."""
+    record = {"run_name": config.get("run_name"), "finished_at": _now(), "steps": steps, "config": config}
+    _write_json(run_dir / DONE_FILE, record)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Multi-process training under a launcher
+
+
+def processes_per_node(trainer: Mapping[str, Any]) -> int:
+    """How many ranks Lightning will run on each node for these ``trainer`` settings."""
+    devices = trainer.get("devices", "auto")
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    if isinstance(devices, str) and devices.strip() not in ("auto", "-1"):
+        return int(devices) if devices.strip().isdigit() else len([d for d in devices.split(",") if d.strip()])
+    if trainer.get("accelerator", "auto") in ("auto", "gpu", "cuda"):  # "auto" or -1: every visible GPU
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 1
+
+
+def reruns_command(trainer: Mapping[str, Any]) -> bool:
+    """Whether Lightning would start ranks 1… by running this process's command line again.
+
+    That is its ``ddp``/``fsdp``/``deepspeed`` launch (and ``auto``, which picks ``ddp``) with more than one
+    process per node, unless the processes already exist (SLURM tasks); ``*_spawn``/``*_fork`` start them from
+    inside this process instead.
+    """
+    strategy = str(trainer.get("strategy") or "auto")
+    if processes_per_node(trainer) < 2 or any(word in strategy for word in ("spawn", "fork", "notebook")):
+        return False
+    return strategy == "auto" or strategy.startswith(("ddp", "fsdp", "deepspeed"))
+
+
+def check_launch(config: DictConfig) -> None:
+    """Stop with one message when this multirun's launcher cannot run its jobs' training strategy."""
+    trainer = OmegaConf.to_container(config.trainer, resolve=True)
+    assert isinstance(trainer, dict)
+    launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
+    procs = processes_per_node(trainer)
+    if launcher.startswith(TASK_LAUNCHERS):
+        devices = trainer.get("devices")
+        tasks = OmegaConf.select(config, "hydra.launcher.tasks_per_node", throw_on_resolution_failure=False)
+        if not isinstance(devices, int) or devices < 1 or tasks != devices:
+            raise SweepError(
+                f"launcher={_launcher_name(config)} runs one task per device: set trainer.devices to the number "
+                f"of devices per node and leave hydra.launcher.tasks_per_node to follow it (now devices={devices!r}, "
+                f"tasks_per_node={tasks!r})."
+            )
+        return
+    if reruns_command(trainer):
+        raise SweepError(
+            f"trainer.strategy={trainer.get('strategy')} on {procs} devices cannot run inside a Hydra multirun "
+            "with this launcher: Lightning starts the other ranks by re-running the command line, which would "
+            "launch the whole sweep again in each of them (Lightning issue #11300). Use launcher=submitit_slurm "
+            "(or launcher=submitit_local on this machine: one task per device), or run each job as a single run "
+            "without -m (python -m posenc.train +encoding=... trainer=ddp), or trainer.strategy=ddp_spawn."
+        )
+
+
+def _launcher_name(config: DictConfig) -> str:
+    return str(OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/launcher", "?"))
+
+
+def join_submitit_tasks() -> None:
+    """Under submitit's local executor, give Lightning the ranks of the job's tasks (as SLURM's variables do).
+
+    Without them every task would think it is rank 0 and start its own processes.
+    """
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local":
+        return
+    from submitit import JobEnvironment
+    from submitit.helpers import TorchDistributedEnvironment
+
+    if JobEnvironment().num_tasks > 1:
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def global_rank() -> int:
+    """The rank of this process from the launcher's variables (0 outside distributed runs), before Lightning."""
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sweep: W&B group, preflight
+
+
+def wandb_group(sweep_dir: Path, fallback: str) -> str:
+    """The sweep's W&B group, recorded at its first launch (``fallback`` when run outside a recorded sweep)."""
+    path = sweep_dir / SWEEP_FILE
+    return json.loads(path.read_text())["group"] if path.exists() else fallback
+
+
+def wandb_run_id(group: str, run_name: str) -> str:
+    """A W&B run id that is the same at every launch of a sweep's job, so a resumed job continues its run."""
+    return hashlib.sha256(f"{group}/{run_name}".encode()).hexdigest()[:16]
+
+
+def sweep_jobs(config: DictConfig) -> Iterator[tuple[list[str], DictConfig]]:
+    """(overrides, composed config) of every job of a basic-sweeper multirun, as the sweeper will compose them."""
+    loader = GlobalHydra.instance().config_loader()
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+    arguments = params + list(config.hydra.overrides.task)
+    overrides = OverridesParser.create(config_loader=loader).parse_overrides(arguments)
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    for job_overrides in BasicSweeper.split_arguments(overrides, None)[0]:
+        yield job_overrides, loader.load_sweep_config(config, job_overrides)
+
+
+class SweepPreflight(Callback):
+    """Hydra callback: checks a multirun before its first job and records its W&B group in ``sweep.json``."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra turns a callback's exceptions into warnings and carries on: a check that cannot run must stop
+        # the sweep instead, so every error leaves as a SweepError (a SystemExit, which Hydra lets through).
+        try:
+            self._check(config)
+        except SweepError:
+            raise
+        except Exception as error:
+            raise SweepError(f"posenc could not check this sweep before starting it: {error}") from error
+
+    def _check(self, config: DictConfig) -> None:
+        check_launch(config)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        states = self._job_states(config) if config.hydra.sweeper._target_ == BASIC_SWEEPER else None
+        record = _record_launch(sweep_dir, str(config.sweep_name), list(config.hydra.overrides.task))
+        summary = f"sweep {config.sweep_name!r} in {sweep_dir} (W&B group {record['group']})"
+        if states is not None:
+            finished = sum(state.finished for state in states)
+            resumed = [state for state in states if state.checkpoint is not None]
+            new = len(states) - finished - len(resumed)
+            summary += f": {len(states)} jobs, {new} new, {len(resumed)} to resume, {finished} finished (skipped)"
+            summary += "".join(f"\n  {state.run_dir.name}: {state.action}" for state in resumed)
+        print(summary)
+
+    def _job_states(self, config: DictConfig) -> list[JobState]:
+        hydra_config, states, dirs = HydraConfig.instance(), [], {}
+        previous = hydra_config.cfg
+        try:
+            for overrides, job_config in sweep_jobs(config):
+                hydra_config.set_config(job_config)  # for ${hydra:...} in the job's directory name
+                check_launch(job_config)
+                task_config = copy.deepcopy(job_config)
+                with open_dict(task_config):
+                    del task_config["hydra"]
+                require_encoding(task_config, "posenc.train")
+                run_dir = Path(job_config.hydra.sweep.dir) / str(job_config.hydra.sweep.subdir)
+                if run_dir in dirs:
+                    raise SweepError(
+                        f"two jobs of this sweep would share the directory {run_dir} ({' '.join(dirs[run_dir])} | "
+                        f"{' '.join(overrides)}): it names scheme, length and seed only. Add what else you sweep "
+                        "to it, e.g. hydra.sweep.subdir='${run_name}-${hydra:runtime.choices.model}'."
+                    )
+                dirs[run_dir] = overrides
+                states.append(job_state(run_dir, to_container(task_config)))
+        finally:
+            hydra_config.cfg = previous
+        return states
+
+
+def _record_launch(sweep_dir: Path, name: str, overrides: list[str]) -> dict[str, Any]:
+    path = sweep_dir / SWEEP_FILE
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    record = json.loads(path.read_text()) if path.exists() else {"name": name, "group": f"{name}-{stamp}"}
+    record.setdefault("launches", []).append({"time": stamp, "overrides": overrides})
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(path, record)
+    return record
+
+
+def _write_json(path: Path, data: Any) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=2, default=str))
+    partial.replace(path)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
