@@ -1,0 +1,219 @@
+"""Sweeps: the smoke sweep end to end, relaunch (skip, resume, refuse changes), the shipped sweep configs, SLURM."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import submitit
+from helpers import FAST, compose_train
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from posenc.config import CONF_DIR
+from posenc.encodings import available
+from posenc.loggers import build_loggers
+from posenc.sweep import (
+    DONE_FILE,
+    SWEEP_FILE,
+    SweepError,
+    job_state,
+    read_checkpoint,
+    setting_changes,
+    wandb_run_id,
+    write_done,
+)
+from posenc.train import train
+
+SWEEPS = CONF_DIR.parent / "sweeps"
+SMOKE = [sys.executable, "-m", "posenc.train", "-m", "-cd", str(SWEEPS), "-cn", "smoke"]
+# Kills the process at step 12 of the first job, after its step-10 checkpoint: a preempted or crashed sweep.
+CRASH_AT_STEP_12 = """
+import os, sys
+import posenc.lit
+step = posenc.lit.LitDecoder.training_step
+def crash(self, batch, index):
+    if self.global_step == 12:
+        os._exit(3)
+    return step(self, batch, index)
+posenc.lit.LitDecoder.training_step = crash
+from posenc.train import main
+sys.argv = ["posenc.train", *sys.argv[1:]]
+main()
+"""
+
+# Lists the jobs a sweep would run, as its preflight composes them, and stops before launching any.
+LIST_JOBS = """
+import os, sys
+from posenc import sweep
+def list_jobs(self, config, **kwargs):
+    print(f"eval={config.eval.at_end}")
+    for state in self._job_states(config):
+        print("JOB", state.run_dir, state.action)
+    os._exit(0)
+sweep.SweepPreflight.on_multirun_start = list_jobs
+from posenc.train import main
+sys.argv = ["posenc.train", *sys.argv[1:]]
+main()
+"""
+
+
+def launch(cwd: Path, *args: str, command: list[str] = SMOKE, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "WANDB_MODE": "disabled", **env}
+    return subprocess.run([*command, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=environment)
+
+
+def test_smoke_sweep_runs_end_to_end(tmp_path: Path) -> None:
+    result = launch(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep_dir = tmp_path / "outputs" / "sweeps" / "smoke"
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["alibi-L32-s0", "rope-L32-s0"]
+    for job in ("alibi-L32-s0", "rope-L32-s0"):
+        run = json.loads((sweep_dir / job / "run.json").read_text())
+        assert run["run_name"] == job and run["steps"] == 20 and run["eval"]["ppl@4x"] > 1
+        assert json.loads((sweep_dir / job / DONE_FILE).read_text())["steps"] == 20
+        assert (sweep_dir / job / "eval" / "results.json").exists()
+    assert json.loads((sweep_dir / SWEEP_FILE).read_text())["group"].startswith("smoke-")
+    assert "2 jobs, 2 new, 0 to resume, 0 finished" in result.stdout
+    assert (sweep_dir / "report.md").exists()  # posenc.report's callback, at the end of the sweep
+
+
+def test_relaunch_skips_finished_resumes_interrupted_and_refuses_changes(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "outputs" / "sweeps" / "smoke"
+    alibi, rope = sweep_dir / "alibi-L32-s0", sweep_dir / "rope-L32-s0"
+
+    crashing = [sys.executable, "-c", CRASH_AT_STEP_12, *SMOKE[3:]]
+    crashed = launch(tmp_path, command=crashing)
+    assert crashed.returncode == 3, crashed.stderr[-3000:]
+    assert read_checkpoint(alibi / "checkpoints" / "last.ckpt")[0] == 10
+    assert not (alibi / DONE_FILE).exists() and not rope.exists()
+
+    resumed = launch(tmp_path, WANDB_MODE="offline")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "2 jobs, 1 new, 1 to resume, 0 finished" in resumed.stdout
+    assert "alibi-L32-s0: resume from step 10" in resumed.stdout
+    run = json.loads((alibi / "run.json").read_text())
+    # 10 steps of 8 windows were trained on: the resumed run goes on from window 80, to step 20.
+    assert run["resumed_from"]["step"] == 10 and run["resumed_from"]["start_sample"] == 80
+    assert run["steps"] == 20 and (alibi / DONE_FILE).exists() and (rope / DONE_FILE).exists()
+    group = json.loads((sweep_dir / SWEEP_FILE).read_text())["group"]
+    for job in (alibi, rope):  # one W&B run per job, in the sweep's group, under the job's stable id
+        (offline_run,) = (job / "wandb").glob("offline-run-*")
+        assert offline_run.name.endswith(wandb_run_id(group, job.name))
+
+    # Same windows, same restored state: the resumed job ends exactly where an uninterrupted one does.
+    reference = launch(tmp_path, "+encoding=alibi", "sweep_name=uninterrupted")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    uninterrupted = json.loads((tmp_path / "outputs/sweeps/uninterrupted/alibi-L32-s0/run.json").read_text())
+    assert run["eval"] == pytest.approx(uninterrupted["eval"], rel=1e-5)
+
+    done_before = {job: (job / DONE_FILE).stat().st_mtime_ns for job in (alibi, rope)}
+    skipped = launch(tmp_path)
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert "2 jobs, 0 new, 0 to resume, 2 finished (skipped)" in skipped.stdout
+    assert "alibi-L32-s0: finished earlier" in skipped.stdout and "rope-L32-s0: finished earlier" in skipped.stdout
+    assert {job: (job / DONE_FILE).stat().st_mtime_ns for job in (alibi, rope)} == done_before
+
+    sweep_record = (sweep_dir / SWEEP_FILE).read_text()
+    changed = launch(tmp_path, "trainer.max_steps=30")
+    assert changed.returncode != 0
+    assert "trainer.max_steps: 20 -> 30" in changed.stderr and "new sweep_name" in changed.stderr
+    assert "Traceback" not in changed.stderr
+    assert (sweep_dir / SWEEP_FILE).read_text() == sweep_record  # stopped before anything was written
+    assert {job: (job / DONE_FILE).stat().st_mtime_ns for job in (alibi, rope)} == done_before
+
+
+def test_job_state_skips_resumes_and_refuses(tmp_path: Path) -> None:
+    config = {"run_name": "alibi-L16-s0", "seed": 0, "trainer": {"max_steps": 3, "enable_progress_bar": True}}
+    assert job_state(tmp_path, config).action == "new"
+    write_done(tmp_path, config, steps=3)
+    relaunch = {**config, "trainer": {"max_steps": 3, "enable_progress_bar": False}, "logger": {"group": "x"}}
+    assert job_state(tmp_path, relaunch).finished  # how a run shows progress or logs is not the experiment
+    with pytest.raises(SweepError, match=r"seed: 0 -> 1"):
+        job_state(tmp_path, {**config, "seed": 1})
+    assert setting_changes({"eval": {"multiples": [1, 2]}}, {"eval": {"multiples": [1, 2, 4]}}) == [
+        "eval.multiples: [1, 2] -> [1, 2, 4]"
+    ]
+
+
+def test_a_resumed_run_trains_on_fresh_windows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from posenc.data import datamodule
+
+    train(compose_train("+encoding=alibi", *FAST), tmp_path)  # 3 steps of 4 windows: windows 0..11
+    seen: list[int] = []
+    get = datamodule.RandomWindows.__getitem__
+    monkeypatch.setattr(
+        datamodule.RandomWindows, "__getitem__", lambda self, index: seen.append(self.start + index) or get(self, index)
+    )
+    overrides = [o for o in FAST if not o.startswith("trainer.max_steps")]
+    summary = train(compose_train("+encoding=alibi", *overrides, "trainer.max_steps=5", "resume=last"), tmp_path)
+    assert summary["steps"] == 5 and summary["resumed_from"]["start_sample"] == 12
+    assert seen[:8] == list(range(12, 20))
+
+
+def test_extrapolation_sweep_covers_every_scheme_seed_and_length(tmp_path: Path) -> None:
+    listing = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", "extrapolation"]
+    result = launch(tmp_path, command=listing)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in result.stdout.splitlines() if line.startswith("JOB ")]
+    assert all(action == "new" for _, _, action in lines)
+    jobs = [Path(path) for _, path, _ in lines]
+    names = [job.name for job in jobs]
+    labels = {name.rsplit("-", 2)[0] for name in names}
+    assert labels >= set(available()) | {"rope×3,nope", "rope+alibi"}
+    assert len(names) == len(set(names)) == len(labels) * 3 * 2
+    assert {name.rsplit("-", 2)[1] for name in names} == {"L64", "L128"}
+    assert {name.rsplit("-", 2)[2] for name in names} == {"s0", "s1", "s2"}
+    assert {job.parent for job in jobs} == {Path("outputs/sweeps/extrapolation")}
+    assert "eval=True" in result.stdout
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_submitit_slurm_config_builds_the_expected_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_srun = tmp_path / "bin" / "srun"  # submitit only checks that srun exists; nothing is submitted
+    fake_srun.parent.mkdir()
+    fake_srun.write_text("#!/bin/sh\nexit 1\n")
+    fake_srun.chmod(fake_srun.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake_srun.parent}{os.pathsep}{os.environ['PATH']}")
+    executors = []
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", lambda self, *args: executors.append(self) or [])
+
+    overrides = ["+encoding=alibi", "trainer=ddp", "trainer.num_nodes=2", "launcher=submitit_slurm"]
+    overrides += ["hydra.launcher.partition=gpu", "hydra.launcher.account=lab", f"output_root={tmp_path}"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        config = compose("train", overrides=overrides, return_hydra_config=True)
+    launcher = instantiate(config.hydra.launcher)
+    launcher.setup(hydra_context=None, task_function=None, config=config)
+    launcher.launch([["seed=0"], ["seed=1"]], initial_job_idx=0)  # the plugin's own code, up to sbatch
+
+    (executor,) = executors
+    sbatch = executor._executor._make_submission_file_text("python -m posenc.train", "uid")
+    for line in (
+        "--partition=gpu",
+        "--account=lab",
+        "--nodes=2",
+        "--ntasks-per-node=4",  # one task per GPU: Lightning's SLURMEnvironment runs DDP from these
+        "--gpus-per-node=4",
+        "--cpus-per-task=8",
+        "--time=240",
+        "--job-name=multirun",
+        "--signal=USR2@120",
+    ):
+        assert f"#SBATCH {line}\n" in sbatch, line
+    assert executor._executor.max_num_timeout == 3  # a job out of time is requeued, and resumes
+    assert str(tmp_path / "sweeps" / "multirun" / ".submitit") in str(executor._executor.folder)
+
+
+def test_sweep_jobs_log_into_the_sweep_group_under_a_stable_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_MODE")
+    cfg = {"kind": "wandb", "mode": "offline", "group": "smoke-2026", "id": wandb_run_id("smoke-2026", "alibi-L32-s0")}
+    (logger,) = build_loggers(cfg, tmp_path, "alibi-L32-s0", {}, ["alibi", "L32", "seed0"])
+    init = logger._wandb_init
+    assert (init["name"], init["group"], init["resume"]) == ("alibi-L32-s0", "smoke-2026", "allow")
+    assert init["id"] == wandb_run_id("smoke-2026", "alibi-L32-s0") != wandb_run_id("smoke-2026", "rope-L32-s0")
+    assert init["tags"] == ["L32", "alibi", "seed0"]
