@@ -281,6 +281,8 @@ class ExtrapolationEval(Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
+        # Lightning's teardown has moved the module back to CPU by now: evaluate on the training device.
+        pl_module.model.to(trainer.strategy.root_device)
         stream = self.stream_fn() if self.task is None else None
         self.results = evaluate_model(
             pl_module.model, run_info=self.run_info, eval_cfg=self.eval_cfg, stream=stream, task=self.task
