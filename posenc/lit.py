@@ -90,7 +90,9 @@ class LitDecoder(L.LightningModule):
         loss = self.val_loss.compute()
         self.val_loss.reset()
         # Byte-level tokens: bits per byte is the loss in bits.
-        self.log_dict({"val/loss": loss, "val/ppl": loss.exp(), "val/bpb": loss / math.log(2)}, prog_bar=True, sync_dist=True)
+        self.log_dict(
+            {"val/loss": loss, "val/ppl": loss.exp(), "val/bpb": loss / math.log(2)}, prog_bar=True, sync_dist=True
+        )
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         # Projected gradient descent: schemes with constrained parameters (KERPLE's r > 0) project them back

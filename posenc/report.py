@@ -164,7 +164,7 @@ def plots(groups: dict[Key, dict[str, list[dict[str, Any]]]], out_dir: Path) -> 
                 plot_lines(
                     series,
                     out_dir / f"{field}_vs_length_{suffix}.png",
-                    f"{ylabel} vs evaluation length (trained at {train_len}, {mode})",
+                    f"{field} vs evaluation length (trained at L={train_len}, {mode})",
                     "evaluation length (tokens)",
                     ylabel,
                     train_len=train_len,

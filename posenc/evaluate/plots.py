@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
-matplotlib.use("Agg")
-import itertools
-
+matplotlib.use("Agg")  # before pyplot: plots are written to files, there is no display
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -34,22 +34,28 @@ def plot_lines(
     logy: bool = False,
 ) -> Path:
     """One line (with an optional ± band) per series name: {name: (x, y, std or None)}."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, (x, y, std) in series.items():
+    fig, ax = plt.subplots(figsize=(8, 5))
+    # Past 10 series matplotlib's default cycle repeats colours: draw from tab20 and vary the dash as well.
+    colours = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
+    for index, (name, (x, y, std)) in enumerate(series.items()):
         x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-        ax.plot(x, y, marker="o" if len(x) < 20 else None, markersize=3, label=name)
+        style = {"color": colours[index % len(colours)], "linestyle": ("-", "--", ":")[index // len(colours) % 3]}
+        ax.plot(x, y, marker="o" if len(x) < 20 else None, markersize=3, label=name, **style)
         if std is not None:
             std = np.asarray(std, dtype=float)
-            ax.fill_between(x, y - std, y + std, alpha=0.2)
+            ax.fill_between(x, y - std, y + std, alpha=0.2, color=style["color"])
     if train_len is not None:
         ax.axvline(train_len, color="grey", linestyle="--", linewidth=1, label=f"training length {train_len}")
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 3, not 3×10^0
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
