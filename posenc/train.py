@@ -195,7 +195,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     evaluation = None
     if config["eval"]["at_end"]:
         task = config["data"].get("task")
-        stream = functools.partial(datamodule.stream, config["eval"]["split"])  # picklable, for ddp_spawn
+        # Held-out text for language-modelling runs (task runs are scored on their task); picklable, for ddp_spawn.
+        stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
         evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
         callbacks.append(evaluation)
     trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))

@@ -266,7 +266,7 @@ class ExtrapolationEval(Callback):
         run_info: dict[str, Any],
         eval_cfg: dict[str, Any],
         out_dir: Path,
-        stream_fn: Callable[[], np.ndarray],
+        stream_fn: Callable[[], np.ndarray] | None,
         task: str | None,
     ) -> None:
         self.run_info, self.eval_cfg, self.out_dir, self.stream_fn, self.task = (
@@ -283,7 +283,7 @@ class ExtrapolationEval(Callback):
             return
         # Lightning's teardown has moved the module back to CPU by now: evaluate on the training device.
         pl_module.model.to(trainer.strategy.root_device)
-        stream = self.stream_fn() if self.task is None else None
+        stream = self.stream_fn() if self.stream_fn is not None else None
         self.results = evaluate_model(
             pl_module.model, run_info=self.run_info, eval_cfg=self.eval_cfg, stream=stream, task=self.task
         )
