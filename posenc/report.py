@@ -134,17 +134,68 @@ def task_tables(results: list[dict[str, Any]]) -> str:
                 "|---:|---:|" + "---:|" * len(labels),
             ]
             for length in lengths:
-                cells = []
-                for label in labels:
-                    accs = [
-                        statistics.fmean(row["accuracy"] for row in run[task] if row["length"] == length)
-                        for run in by_label[label]
-                        if any(row["length"] == length for row in run[task])
-                    ]
-                    cells.append(_cell(accs))
+                cells = [_cell(_task_accuracies(by_label[label], task, length)) for label in labels]
                 out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
             out.append("")
+            if task == "passkey":
+                out += _depth_table(by_label, labels, max(lengths), train_len)
     return "\n".join(out)
+
+
+def _task_accuracies(runs: list[dict[str, Any]], task: str, length: int, depth: float | None = None) -> list[float]:
+    """Per run: mean accuracy over the rows at ``length`` (and ``depth``, for passkey)."""
+    accs = []
+    for run in runs:
+        rows = [r for r in run[task] if r["length"] == length and (depth is None or r["depth"] == depth)]
+        if rows:
+            accs.append(statistics.fmean(r["accuracy"] for r in rows))
+    return accs
+
+
+def _depth_table(
+    by_label: dict[str, list[dict[str, Any]]], labels: list[str], length: int, train_len: int
+) -> list[str]:
+    """Passkey accuracy by key depth at the longest length: where in the window retrieval fails."""
+    depths = sorted({row["depth"] for runs in by_label.values() for run in runs for row in run["passkey"]})
+    out = [
+        f"Passkey accuracy by key depth at length {length} ({length / train_len:g}×; depth 0 = the key at the start"
+        ", farthest from the question):",
+        "",
+        "| depth | " + " | ".join(labels) + " |",
+        "|---:|" + "---:|" * len(labels),
+    ]
+    for depth in depths:
+        cells = [_cell(_task_accuracies(by_label[label], "passkey", length, depth)) for label in labels]
+        out.append(f"| {depth:g} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
+def task_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Accuracy vs length, one line per scheme, per task and training length."""
+    images = []
+    for task in ("passkey", "copy"):
+        by_len: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        for run in results:
+            if run.get(task):
+                by_len[int(run["train_len"])][run["label"]].append(run)
+        for train_len, by_label in sorted(by_len.items()):
+            series = {}
+            for label in _order(by_label):
+                lengths = sorted({row["length"] for run in by_label[label] for row in run[task]})
+                stats = [_mean_std(_task_accuracies(by_label[label], task, length)) for length in lengths]
+                series[label] = (lengths, [m for m, _, _ in stats], [s for _, s, _ in stats])
+            images.append(
+                plot_lines(
+                    series,
+                    out_dir / f"{task}_accuracy_L{train_len}.png",
+                    f"{task} accuracy vs length (trained at L={train_len})",
+                    "evaluation length (tokens)",
+                    "exact-match accuracy",
+                    train_len=train_len,
+                )
+            )
+    return images
 
 
 def plots(groups: dict[Key, dict[str, list[dict[str, Any]]]], out_dir: Path) -> list[Path]:
@@ -207,7 +258,7 @@ def build_report(results: list[dict[str, Any]], out_dir: Path, make_plots: bool 
     tasks = task_tables(results)
     if tasks:
         sections += ["", tasks]
-    images = plots(groups, out_dir) if make_plots else []
+    images = plots(groups, out_dir) + task_plots(results, out_dir) if make_plots else []
     if images:
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
     markdown = "\n".join(sections).rstrip() + "\n"

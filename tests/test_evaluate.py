@@ -283,3 +283,27 @@ def test_task_training_is_scored_on_the_task(tmp_path: Path) -> None:
     assert "perplexity" not in results
     assert sorted({row["length"] for row in results["passkey"]}) == [16, 32]
     assert set(summary["eval"]) == {"passkey_acc@1x", "passkey_acc@2x"}
+
+
+def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:
+    for label, near, far in (("alibi", 1.0, 0.0), ("kerple_log", 1.0, 1.0)):
+        rows = [
+            {
+                "task": "passkey",
+                "length": length,
+                "depth": depth,
+                "samples": 4,
+                "accuracy": near if depth == 1.0 or length == 64 else far,
+            }
+            for length in (64, 256)
+            for depth in (0.0, 1.0)
+        ]
+        folder = tmp_path / label / "eval"
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({"label": label, "train_len": 64, "seed": 0, "passkey": rows}))
+    markdown = build_report(find_results([tmp_path]), tmp_path / "report")
+    lines = markdown.splitlines()
+    assert "| 64 | 1 | 1.00 | 1.00 |" in lines
+    assert "| 256 | 4 | 0.50 | 1.00 |" in lines  # alibi: the far key lost, the near one found
+    assert "| 0 | 0.00 | 1.00 |" in lines and "| 1 | 1.00 | 1.00 |" in lines  # by depth at 256
+    assert (tmp_path / "report" / "passkey_accuracy_L64.png").exists()
