@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -38,6 +37,7 @@ from posenc.attention.flex_learnable import supports
 from posenc.config import CONF_DIR, to_container
 from posenc.encodings import build, scheme_class, stack_members
 from posenc.encodings.base import PositionalEncoding
+from posenc.jsonio import dumps
 from posenc.lit import compile_blocks, should_compile
 from posenc.model import Decoder
 
@@ -347,7 +347,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
             "long_context": long_context_cases(cfg, device),
         }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(json.dumps(results, indent=2))
+    (out_dir / "bench.json").write_text(dumps(results))
     (out_dir / "bench.md").write_text(markdown(results))
     return results
 

@@ -40,6 +40,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from posenc.config import require_encoding, to_container
+from posenc.jsonio import dumps
 
 DONE_FILE = "done.json"
 SWEEP_FILE = "sweep.json"
@@ -330,7 +331,7 @@ def _record_launch(sweep_dir: Path, name: str, overrides: list[str]) -> dict[str
 
 def _write_json(path: Path, data: Any) -> None:
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data, indent=2, default=str))
+    partial.write_text(dumps(data))
     partial.replace(path)
 
 

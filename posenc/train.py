@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from omegaconf import DictConfig, open_dict
 from posenc.config import CONF_DIR, require_encoding, to_container
 from posenc.data.datamodule import TaskDataModule, TextDataModule
 from posenc.evaluate.runner import RESULTS_FILE, ExtrapolationEval
+from posenc.jsonio import dumps
 from posenc.lit import LitDecoder
 from posenc.loggers import build_loggers, finish_loggers
 from posenc.sweep import (
@@ -225,7 +225,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     }
     finish_loggers(loggers, success=True)
     if trainer.is_global_zero:
-        (run_dir / "run.json").write_text(json.dumps(summary, indent=2, default=_json_default))
+        (run_dir / "run.json").write_text(dumps(summary))
         write_done(run_dir, config, steps)
     return summary
 
@@ -243,12 +243,6 @@ def _eval_summary(evaluation: ExtrapolationEval | None, run_dir: Path) -> dict[s
         return evaluation.results["summary"]
     written = run_dir / "eval" / RESULTS_FILE  # ddp_spawn: rank zero evaluated in a child process
     return json.loads(written.read_text())["summary"] if written.exists() else None
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return str(value)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

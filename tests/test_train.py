@@ -18,18 +18,28 @@ from posenc.loggers import resolve_wandb_mode
 from posenc.train import train
 
 
+def strict_json(path: Path) -> dict:
+    """Parse as a non-Python JSON reader would: NaN / Infinity are errors."""
+
+    def refuse(token: str) -> None:
+        raise ValueError(f"{path.name} holds {token}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
 @pytest.mark.parametrize("name", encoding_choices())
 def test_three_steps_per_scheme(name: str, tmp_path: Path) -> None:
     summary = train(compose_train(f"+encoding={name}", *FAST), tmp_path)
     assert summary["steps"] == 3
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
-    saved = json.loads((tmp_path / "run.json").read_text())
+    saved = strict_json(tmp_path / "run.json")
     assert saved["data"]["fingerprint"] and saved["label"] == summary["label"]
-    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    results = strict_json(tmp_path / "eval" / "results.json")
     evals = {row["length"]: row for row in results["perplexity"]}
     assert sorted(evals) == [16, 32, 64]
     if name == "learned":  # a table of 16 rows cannot score 32 or 64 positions, and says so
         assert evals[32]["error"] and evals[64]["error"] and evals[16]["ppl"] > 1
+        assert evals[32]["ppl"] is None  # no perplexity: null, not the non-JSON token NaN
     else:
         assert all(row["ppl"] > 1 and row["error"] is None for row in evals.values())
 

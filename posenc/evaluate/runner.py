@@ -8,8 +8,6 @@ reads), ``perplexity.csv``, ``loss_by_position.csv``, task CSVs and plots.
 from __future__ import annotations
 
 import csv
-import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from torch import nn
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
+from posenc.jsonio import dumps
 
 RESULTS_FILE = "results.json"
 
@@ -115,7 +114,7 @@ def _multiple_tag(multiple: float) -> str:
 def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
     """results.json, CSVs and PNGs under ``out_dir``; returns the PNGs written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=1, default=_finite))
+    (out_dir / RESULTS_FILE).write_text(dumps(results, indent=1))
     label, train_len = results["label"], results["train_len"]
     images: list[Path] = []
     if "perplexity" in results:
@@ -186,14 +185,6 @@ def _write_csv(path: Path, rows: list[dict[str, Any]], exclude: set[str] = froze
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, np.generic):
-        return value.item()
-    return str(value)
 
 
 def print_results(results: dict[str, Any]) -> None:
