@@ -65,7 +65,35 @@ def load_corpus(kind: str, **options: Any) -> Corpus:
     return builders[kind](**options)
 
 
-class TextDataModule(L.LightningDataModule):
+class _WindowDataModule(L.LightningDataModule):
+    """What every posenc data module shares: byte tokens, windows of ``seq_len``, numbered training samples.
+
+    ``num_samples`` and ``start_sample`` are set again by the trainer once the world size and the resumed step are
+    known (``posenc.train.TokenAccounting``), so both modules keep them as plain attributes.
+    """
+
+    def __init__(self, seq_len: int, batch_size: int, num_samples: int, num_workers: int, seed: int) -> None:
+        super().__init__()
+        self.tokenizer = ByteTokenizer()
+        self.seq_len, self.batch_size, self.num_samples = seq_len, batch_size, num_samples
+        self.num_workers, self.seed = num_workers, seed
+        self.start_sample = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def _loader(self, dataset: Dataset) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+
+class TextDataModule(_WindowDataModule):
     """Byte-level language modelling on a corpus, tokenised once and memory-mapped."""
 
     def __init__(
@@ -80,18 +108,11 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.tokenizer = ByteTokenizer()
+        super().__init__(seq_len, batch_size, num_samples, num_workers, seed)
         self.corpus_kind, self.corpus_options = corpus, dict(corpus_options or {})
-        self.seq_len, self.batch_size, self.num_samples = seq_len, batch_size, num_samples
-        self.val_windows, self.cache_dir, self.num_workers, self.seed = val_windows, cache_dir, num_workers, seed
+        self.val_windows, self.cache_dir = val_windows, cache_dir
         self.splits: dict[str, np.ndarray] | None = None
         self.fingerprint: str | None = None
-        self.start_sample = 0
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
 
     def prepare_data(self) -> None:
         self.setup()
@@ -126,17 +147,8 @@ class TextDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader(ConsecutiveWindows(self.stream("test"), self.seq_len, self.val_windows))
 
-    def _loader(self, dataset: Dataset) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=False,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
 
-
-class TaskDataModule(L.LightningDataModule):
+class TaskDataModule(_WindowDataModule):
     """A synthetic task (``passkey`` or ``copy``) generated on the fly at the training length."""
 
     def __init__(
@@ -149,15 +161,8 @@ class TaskDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.tokenizer = ByteTokenizer()
-        self.task, self.seq_len, self.batch_size, self.num_samples = task, seq_len, batch_size, num_samples
-        self.val_samples, self.num_workers, self.seed = val_windows or 256, num_workers, seed
-        self.start_sample = 0
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.vocab_size
+        super().__init__(seq_len, batch_size, num_samples, num_workers, seed)
+        self.task, self.val_samples = task, val_windows or 256
 
     def describe(self) -> dict[str, Any]:
         return {"task": self.task, "seed": self.seed}
@@ -168,6 +173,3 @@ class TaskDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         # A different seed stream from training: validation keys are never training keys.
         return self._loader(TaskDataset(self.task, self.seq_len, self.val_samples, self.seed + 1_000_003))
-
-    def _loader(self, dataset: Dataset) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers)
