@@ -14,8 +14,8 @@ session has benchmarked it (``python -m posenc.bench``) against ``flex`` and ``f
 
 It refuses, never dropping a bias: a scheme whose bias is not distance-only, anything but self-attention over one
 window (Lq ≠ Lk or different positions, e.g. cached decoding), head dims outside 16..128, dtypes other than
-fp32/bf16/fp16, CPU tensors unless the kernels run under the interpreter (``TRITON_INTERPRET=1``), and a
-machine without triton.
+fp32/bf16/fp16, CPU tensors unless the kernels run under the interpreter (``TRITON_INTERPRET=1``), bf16 under
+the interpreter (whose tl.dot multiplies bf16's raw bits), and a machine without triton.
 """
 
 from __future__ import annotations
@@ -141,6 +141,11 @@ def check_supported(
         )
     if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"attention=triton takes q, k, v of one dtype among fp32, bf16, fp16; got {q.dtype}")
+    if kernels().INTERPRETED and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "Triton's interpreter has no bf16 tl.dot (numpy stores bf16 as raw uint16 bits): run attention=triton "
+            "in bf16 on a GPU, or use fp16/fp32 under TRITON_INTERPRET=1"
+        )
     if not q.is_cuda and not kernels().INTERPRETED:
         raise RuntimeError(
             "attention=triton runs on CUDA tensors (on CPU only under Triton's interpreter, TRITON_INTERPRET=1, "
