@@ -78,6 +78,23 @@ def test_schemes_without_a_bias_or_with_a_rotation(name: str) -> None:
     _assert_matches(name, 40)
 
 
+def test_table_gradient_is_every_distances_diagonal_sum() -> None:
+    # The fused reduction on its own: a free table (H, L), every entry's gradient against dense autograd.
+    length = 40
+    q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, device=DEVICE) for _ in range(3))
+    table = torch.randn(HEADS, length, device=DEVICE, requires_grad=True)
+    weights = torch.randn(2, HEADS, length, HEAD_DIM, device=DEVICE)
+    (triton_table.TableAttention.apply(q, k, v, table) * weights).sum().backward()
+    got, table.grad = table.grad, None
+    pos = torch.arange(length, device=DEVICE)
+    distance = pos[:, None] - pos[None, :]
+    scores = q @ k.transpose(-1, -2) / HEAD_DIM**0.5 + table[:, distance.clamp(min=0)]
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    (scores.softmax(-1) @ v * weights).sum().backward()
+    assert table.grad.abs().min() > 0  # every distance is reached
+    torch.testing.assert_close(got, table.grad, atol=1e-5, rtol=1e-4)
+
+
 def test_unequal_blocks_and_many_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     # 16-query by 32-key tiles: the skewed diagonal reduction of a non-square tile, and 4 × 2 tiles per head.
     monkeypatch.setattr(triton_table, "BLOCK_M", 16)
