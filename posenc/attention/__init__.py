@@ -43,7 +43,7 @@ def get_backend(name: str) -> Backend:
 
 
 def _load() -> None:
-    from posenc.attention import auto, eager, flex, flex_learnable, sdpa  # noqa: F401 - registration side effect
+    from posenc.attention import auto, eager, flex, flex_learnable, sdpa, triton_table  # noqa: F401 - registration
 
 
 __all__ = ["Backend", "available_backends", "get_backend", "register_backend"]

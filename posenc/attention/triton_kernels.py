@@ -1,0 +1,321 @@
+"""Triton kernels of the ``triton`` backend: causal flash attention plus a per-head bias table by distance.
+
+The score of query i and key j is q_i·k_j/√d + table[h, i − j] (j ≤ i), so one kernel serves every scheme whose
+bias is a function of distance alone; the table comes from the scheme's ``distance_bias``. The forward is
+FlashAttention-2's (online softmax, fp32 accumulation, the row log-sum-exp saved); the backward recomputes P
+from the lse with Δ_i = dO_i·O_i (computed by the caller), one kernel for dk, dv (a program per key block) and
+one for dq (a program per query block). The dq kernel also reduces the table's gradient,
+dtable[h, d] = Σ_{b, i−j=d} dS_ij: each tile's dS is skewed so that its diagonals become columns
+(``tl.gather``), summed over rows, and added with one atomic per (tile, distance) — not one per score, which is
+what made FlexAttention's backward of a learnable bias hundreds of times slower than the forward
+(``../shared/notes/learnable-bias-gradient.md``).
+
+Which mode the kernels run in is fixed when this module is imported: compiled for the GPU, or Python under
+Triton's interpreter when ``TRITON_INTERPRET=1`` is set (how the tests run them on CPU). The backend imports it
+lazily, on its first call.
+"""
+
+# Triton's conventions: constexpr parameters in capitals, and no Python type hints on JIT arguments (Triton reads
+# annotations as specialisation hints, and the values are tensors of its own).
+# ruff: noqa: ANN001, ANN201, ANN202, N803
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the kernels work in base 2, the lse is stored natural
+
+
+@triton.jit
+def _scores(
+    q,
+    k,
+    table_row,
+    rows,
+    cols,
+    length,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Scaled scores plus bias (BLOCK_M, BLOCK_N) in fp32 natural units, and where keys are causal and in range.
+
+    Rows past the length (the last block's padding) keep their causal keys, so the forward's softmax stays finite
+    there; they read no bias, and nothing of them is stored or, in the backward, counted.
+    """
+    distance = rows[:, None] - cols[None, :]
+    causal = (distance >= 0) & (cols[None, :] < length)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if HAS_BIAS:
+        scores += tl.load(table_row + distance, mask=causal & (rows[:, None] < length), other=0.0)
+    return scores, causal
+
+
+@triton.jit
+def forward_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Table,
+    stride_qb,
+    stride_qh,
+    stride_ql,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_vb,
+    stride_vh,
+    stride_vl,
+    stride_ob,
+    stride_oh,
+    stride_ol,
+    stride_table,
+    num_heads,
+    length,
+    head_dim,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One query block of one (batch, head): O and lse (natural log) by the online softmax."""
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b = batch_head // num_heads
+    h = batch_head % num_heads
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims[None, :] < head_dim
+    row_ok = rows[:, None] < length
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_ql + dims[None, :], row_ok & dim_ok, 0.0)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    table_row = Table + h * stride_table
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # base 2
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum((start_m + 1) * BLOCK_M, length)  # causal: no key past the block's last query
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols[:, None] < length
+        k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], col_ok & dim_ok, 0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], col_ok & dim_ok, 0.0)
+        scores, causal = _scores(q, k, table_row, rows, cols, length, scale, HAS_BIAS, PRECISION)
+        # Key 0 is causal for every row, so the running max is finite after the first block: no NaN.
+        scores = tl.where(causal, scores * LOG2E, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        correction = tl.exp2(row_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * correction + tl.sum(probs, 1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        row_max = new_max
+
+    out = acc / row_sum[:, None]
+    o_ptrs = Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_ol + dims[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), row_ok & dim_ok)
+    lse = (row_max + tl.log2(row_sum)) / LOG2E
+    tl.store(Lse + batch_head * length + rows, lse, rows < length)
+
+
+@triton.jit
+def _probs_and_dscores(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    table_row,
+    rows,
+    cols,
+    length,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """P recomputed from the lse, and dS = P ∘ (dO·vᵀ − Δ), both (BLOCK_M, BLOCK_N) fp32, zero outside the mask."""
+    scores, causal = _scores(q, k, table_row, rows, cols, length, scale, HAS_BIAS, PRECISION)
+    valid = causal & (rows[:, None] < length)
+    probs = tl.where(valid, tl.exp2((scores - lse[:, None]) * LOG2E), 0.0)
+    dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
+    return probs, probs * (dprobs - delta[:, None])
+
+
+@triton.jit
+def _add_diagonal_sums(
+    DTable,
+    dscores,
+    row_start,
+    col_start,
+    length,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    """dtable[d] += Σ over the tile's diagonal i − j = d of dS: one atomic per diagonal of the tile.
+
+    Column t of the skewed tile holds row r's entry at column r + BLOCK_N − 1 − t, so the tile's diagonal
+    i − j = t − (BLOCK_N − 1) becomes column t; WIDTH ≥ BLOCK_M + BLOCK_N − 1 columns cover every diagonal.
+    """
+    r = tl.arange(0, BLOCK_M)[:, None]
+    t = tl.arange(0, WIDTH)[None, :]
+    source_col = r + (BLOCK_N - 1) - t  # (BLOCK_M, WIDTH)
+    inside = (source_col >= 0) & (source_col < BLOCK_N)
+    skewed = tl.gather(dscores, tl.where(inside, source_col, 0), axis=1)
+    sums = tl.sum(tl.where(inside, skewed, 0.0), axis=0)  # (WIDTH,)
+    distance = row_start - col_start + tl.arange(0, WIDTH) - (BLOCK_N - 1)
+    tl.atomic_add(DTable + distance, sums, mask=(distance >= 0) & (distance < length))
+
+
+@triton.jit
+def backward_dq_kernel(
+    Q,
+    K,
+    V,
+    DOut,
+    Lse,
+    Delta,
+    DQ,
+    Table,
+    DTable,
+    stride_qb,
+    stride_qh,
+    stride_ql,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_vb,
+    stride_vh,
+    stride_vl,
+    stride_db,
+    stride_dh,
+    stride_dl,
+    stride_table,
+    num_heads,
+    length,
+    head_dim,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WIDTH: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One query block: dq = Σ_j dS_ij k_j · scale, and (``BIAS_GRAD``) the table's gradient from its tiles.
+
+    ``DOut`` and ``DQ`` share the strides ``stride_d*`` (both are laid out like the caller's contiguous dO).
+    """
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b = batch_head // num_heads
+    h = batch_head % num_heads
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims[None, :] < head_dim
+    row_ok = rows[:, None] < length
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_ql + dims[None, :], row_ok & dim_ok, 0.0)
+    d_offsets = b * stride_db + h * stride_dh + rows[:, None] * stride_dl + dims[None, :]
+    dout = tl.load(DOut + d_offsets, row_ok & dim_ok, 0.0)
+    lse = tl.load(Lse + batch_head * length + rows, rows < length, 0.0)
+    delta = tl.load(Delta + batch_head * length + rows, rows < length, 0.0)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    table_row = Table + h * stride_table
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum((start_m + 1) * BLOCK_M, length)
+    for start_n in range(0, end, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols[:, None] < length
+        k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], col_ok & dim_ok, 0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], col_ok & dim_ok, 0.0)
+        _, dscores = _probs_and_dscores(
+            q, k, v, dout, lse, delta, table_row, rows, cols, length, scale, HAS_BIAS, PRECISION
+        )
+        dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
+        if BIAS_GRAD:
+            _add_diagonal_sums(
+                DTable + h * length, dscores, start_m * BLOCK_M, start_n, length, BLOCK_M, BLOCK_N, WIDTH
+            )
+    tl.store(DQ + d_offsets, (dq * scale).to(DQ.dtype.element_ty), row_ok & dim_ok)
+
+
+@triton.jit
+def backward_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DOut,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    Table,
+    stride_qb,
+    stride_qh,
+    stride_ql,
+    stride_kb,
+    stride_kh,
+    stride_kl,
+    stride_vb,
+    stride_vh,
+    stride_vl,
+    stride_db,
+    stride_dh,
+    stride_dl,
+    stride_table,
+    num_heads,
+    length,
+    head_dim,
+    scale,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One key block: dv = Σ_i P_ij dO_i and dk = Σ_i dS_ij q_i · scale over the queries at or after it.
+
+    ``DOut``, ``DK`` and ``DV`` share the strides ``stride_d*`` (all laid out like a contiguous (B, H, L, D)).
+    """
+    start_n = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b = batch_head // num_heads
+    h = batch_head % num_heads
+    cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims[None, :] < head_dim
+    col_ok = cols[:, None] < length
+    k = tl.load(K + b * stride_kb + h * stride_kh + cols[:, None] * stride_kl + dims[None, :], col_ok & dim_ok, 0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + cols[:, None] * stride_vl + dims[None, :], col_ok & dim_ok, 0.0)
+    q_base = Q + b * stride_qb + h * stride_qh
+    d_base = b * stride_db + h * stride_dh
+    table_row = Table + h * stride_table
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    first = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M  # causal: no query before the block's first key
+    for start_m in range(first, length, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows[:, None] < length
+        q = tl.load(q_base + rows[:, None] * stride_ql + dims[None, :], row_ok & dim_ok, 0.0)
+        dout = tl.load(DOut + d_base + rows[:, None] * stride_dl + dims[None, :], row_ok & dim_ok, 0.0)
+        lse = tl.load(Lse + batch_head * length + rows, rows < length, 0.0)
+        delta = tl.load(Delta + batch_head * length + rows, rows < length, 0.0)
+        probs, dscores = _probs_and_dscores(
+            q, k, v, dout, lse, delta, table_row, rows, cols, length, scale, HAS_BIAS, PRECISION
+        )
+        dv += tl.dot(tl.trans(probs.to(dout.dtype)), dout, input_precision=PRECISION)
+        dk += tl.dot(tl.trans(dscores.to(q.dtype)), q, input_precision=PRECISION)
+    d_offsets = d_base + cols[:, None] * stride_dl + dims[None, :]
+    tl.store(DK + d_offsets, (dk * scale).to(DK.dtype.element_ty), col_ok & dim_ok)
+    tl.store(DV + d_offsets, dv.to(DV.dtype.element_ty), col_ok & dim_ok)

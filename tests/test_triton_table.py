@@ -1,0 +1,176 @@
+"""The ``triton`` backend equals ``eager``: values and gradients (q, k, v and every bias parameter).
+
+Without a GPU the kernels run on CPU under Triton's interpreter (conftest.py sets ``TRITON_INTERPRET=1`` before
+triton is first imported); with one, the same tests run the compiled kernels on CUDA. Shapes are small, and the
+blocks are shrunk to 32 (one test: 16 × 32) so that lengths 16, 40 and 64 cover one partial block, several blocks
+with a partial last one, and whole blocks, with the table gradient added from many tiles.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import SCHEMES, make
+
+import posenc.attention.triton_table as triton_table
+from posenc.attention import get_backend
+from posenc.attention.auto import choose
+from posenc.encodings.base import PositionalEncoding, distances
+from posenc.model import Decoder
+
+pytest.importorskip("triton", reason="attention=triton needs the triton package (Linux); not installed here")
+KERNELS = triton_table.kernels()
+DEVICE = "cpu" if KERNELS.INTERPRETED else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 was set and there is no GPU: the kernels cannot run",
+        allow_module_level=True,
+    )
+
+HEADS, HEAD_DIM = 3, 16  # tl.dot needs a head dim of at least 16 (conftest's is 8)
+DISTANCE_SCHEMES = [name for name in SCHEMES if make(name).distance_only]
+NO_BIAS_SCHEMES = [name for name in SCHEMES if not make(name).adds_bias]
+ALL_DISTANCE_BIASES = "+".join(DISTANCE_SCHEMES)  # every distance-only scheme in one stack
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_table, "BLOCK_M", 32)
+    monkeypatch.setattr(triton_table, "BLOCK_N", 32)
+
+
+def _run(backend: str, name: str, length: int, dtype: torch.dtype = torch.float32, head_dim: int = HEAD_DIM):
+    """Output and gradients of q, k, v and every trainable parameter under a non-uniform output gradient."""
+    torch.manual_seed(7)
+    enc = make(name, heads=HEADS, head_dim=head_dim).to(DEVICE)
+    pos = torch.arange(length, device=DEVICE)
+    q, k, v = (torch.randn(2, HEADS, length, head_dim, dtype=dtype).to(DEVICE).requires_grad_() for _ in range(3))
+    rotated_q, rotated_k = enc.rotate(q, k, pos, pos)
+    out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos)
+    (out.float() * torch.randn(out.shape).to(DEVICE)).sum().backward()
+    # Every trainable parameter, None where attention does not reach it (a learned APE's table, used at the input).
+    return [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in enc.parameters() if p.requires_grad)]
+
+
+def _assert_matches(
+    name: str, length: int, atol: float = 1e-5, rtol: float = 1e-4, **kwargs: object
+) -> list[torch.Tensor | None]:
+    expected, got = _run("eager", name, length, **kwargs), _run("triton", name, length, **kwargs)
+    assert len(got) == len(expected) >= 4
+    for value, reference in zip(got, expected, strict=True):
+        assert (value is None) == (reference is None)
+        if reference is not None:
+            torch.testing.assert_close(value.float(), reference.float(), atol=atol, rtol=rtol)
+    return got
+
+
+@pytest.mark.parametrize("length", [16, 40, 64])
+@pytest.mark.parametrize("name", [*DISTANCE_SCHEMES, ALL_DISTANCE_BIASES])
+def test_values_and_gradients_match_eager(name: str, length: int) -> None:
+    got = _assert_matches(name, length)
+    assert all(value is not None for value in got)  # every bias parameter receives its gradient
+
+
+@pytest.mark.parametrize("name", [*NO_BIAS_SCHEMES, "rope+t5"])
+def test_schemes_without_a_bias_or_with_a_rotation(name: str) -> None:
+    _assert_matches(name, 40)
+
+
+def test_table_gradient_is_every_distances_diagonal_sum() -> None:
+    # The fused reduction on its own: a free table (H, L), every entry's gradient against dense autograd.
+    length = 40
+    q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, device=DEVICE) for _ in range(3))
+    table = torch.randn(HEADS, length, device=DEVICE, requires_grad=True)
+    weights = torch.randn(2, HEADS, length, HEAD_DIM, device=DEVICE)
+    (triton_table.TableAttention.apply(q, k, v, table) * weights).sum().backward()
+    got, table.grad = table.grad, None
+    pos = torch.arange(length, device=DEVICE)
+    distance = pos[:, None] - pos[None, :]
+    scores = q @ k.transpose(-1, -2) / HEAD_DIM**0.5 + table[:, distance.clamp(min=0)]
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    (scores.softmax(-1) @ v * weights).sum().backward()
+    assert table.grad.abs().min() > 0  # every distance is reached
+    torch.testing.assert_close(got, table.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_unequal_blocks_and_many_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 16-query by 32-key tiles: the skewed diagonal reduction of a non-square tile, and 4 × 2 tiles per head.
+    monkeypatch.setattr(triton_table, "BLOCK_M", 16)
+    _assert_matches(ALL_DISTANCE_BIASES, 64)
+
+
+@pytest.mark.parametrize("head_dim", [24, 128])
+def test_head_dims_that_pad_or_fill_the_block(head_dim: int) -> None:
+    _assert_matches("alibi+t5", 40, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_close(dtype: torch.dtype) -> None:
+    if KERNELS.INTERPRETED and dtype == torch.bfloat16:
+        with pytest.raises(ValueError, match="interpreter has no bf16"):  # refused, never silently wrong
+            _run("triton", ALL_DISTANCE_BIASES, 40, dtype=dtype)
+        return
+    # Both read the same rounded q, k, v; the kernel also rounds P and dS to the input dtype for its products.
+    _assert_matches(ALL_DISTANCE_BIASES, 40, atol=3e-2, rtol=3e-2, dtype=dtype)
+
+
+def test_model_trains_the_same_through_triton() -> None:
+    # q, k, v arrive as strided views of the fused projection: the kernels read them through their strides.
+    kwargs = {"vocab_size": 50, "dim": 32, "depth": 2, "heads": 2}
+    torch.manual_seed(0)
+    reference = Decoder(["rope+kerple_log", "t5"], attention="eager", **kwargs)
+    model = Decoder(["rope+kerple_log", "t5"], attention="triton", **kwargs)
+    model.load_state_dict(reference.state_dict())
+    model.to(DEVICE), reference.to(DEVICE)
+    tokens = torch.randint(0, 50, (2, 41)).to(DEVICE)
+    losses = [m.loss(tokens[:, :-1], tokens[:, 1:]) for m in (model, reference)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+class _AbsoluteBias(PositionalEncoding):
+    """A bias that depends on where the query is, not only on the distance: no table can hold it."""
+
+    name = "absolute_bias_for_tests"
+    adds_bias = True
+
+    def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        return (q_pos[:, None] * 0.01 - distances(q_pos, k_pos)).expand(self.num_heads, -1, -1)
+
+
+def _qkv(length: int = 16, head_dim: int = HEAD_DIM, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    return [torch.randn(1, HEADS, length, head_dim, dtype=dtype) for _ in range(3)]
+
+
+def test_refuses_what_it_cannot_honour(monkeypatch: pytest.MonkeyPatch) -> None:
+    attend = get_backend("triton")
+    pos = torch.arange(16)
+    with pytest.raises(ValueError, match="distance i - j alone"):
+        attend(*_qkv(), _AbsoluteBias(HEADS, HEAD_DIM), pos, pos)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="self-attention over one window"):
+        attend(q[:, :, -1:], k, v, make("alibi", heads=HEADS, head_dim=HEAD_DIM), pos[-1:], pos)
+    with pytest.raises(ValueError, match="self-attention over one window"):
+        attend(q, k, v, make("alibi", heads=HEADS, head_dim=HEAD_DIM), pos, pos + 1)
+    with pytest.raises(ValueError, match=r"head dims 16\.\.128, got 8"):
+        attend(*_qkv(head_dim=8), make("alibi", heads=HEADS, head_dim=8), pos, pos)
+    with pytest.raises(ValueError, match="one dtype among fp32, bf16, fp16"):
+        attend(*_qkv(dtype=torch.float64), make("alibi", heads=HEADS, head_dim=HEAD_DIM), pos, pos)
+    enc = make("t5", heads=HEADS, head_dim=HEAD_DIM)
+    monkeypatch.setattr(KERNELS, "INTERPRETED", False)  # CPU tensors for compiled kernels
+    with pytest.raises(RuntimeError, match="runs on CUDA tensors"):
+        attend(q, k, v, enc, pos, pos)
+    monkeypatch.setitem(sys.modules, KERNELS.__name__, None)  # what importing looks like without triton
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        attend(q, k, v, enc, pos, pos)
+
+
+def test_auto_never_picks_triton() -> None:
+    # Unmeasured on a GPU: a GPU session must benchmark it (python -m posenc.bench) before auto may choose it.
+    for name in [*SCHEMES, ALL_DISTANCE_BIASES]:
+        assert {choose(make(name), is_cuda=True), choose(make(name), is_cuda=False)}.isdisjoint({"triton"})
