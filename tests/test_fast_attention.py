@@ -1,6 +1,6 @@
 """The fast paths equal the dense reference: flex_learnable's values and gradients (q, k, v and bias parameters),
 the declarations it relies on (bias_gradient_forms, score_mod(detached=True)), auto's choice, the fused rotation,
-and per-block compilation (no recompiling per evaluation length)."""
+and the compile setting (compiled training itself: test_compiling.py)."""
 
 from __future__ import annotations
 
