@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
@@ -202,13 +201,3 @@ def test_64k_forward_within_twice_nope() -> None:
     ratios = {name: round(ms / times["nope"], 2) for name, ms in times.items()}
     print("64k forward × NoPE:", ratios)
     assert all(ratio <= 2.0 * MARGIN for ratio in ratios.values()), ratios
-
-
-def test_flash_reference_is_what_sdpa_runs() -> None:
-    # The speed tests divide by SDPA without a bias: make sure that call is the causal flash path and finite.
-    q = torch.randn(1, HEADS, 256, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-    reference = get_backend("eager")(
-        q.float(), q.float(), q.float(), build("nope", HEADS, HEAD_DIM), *[torch.arange(256, device="cuda")] * 2
-    )
-    assert (out.float() - reference).norm() <= 2e-2 * reference.norm()
