@@ -18,12 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-try:  # torch ≥ 2.9 asks for the lse through return_aux (return_lse is deprecated there)
-    from torch.nn.attention.flex_attention import AuxRequest
-except ImportError:  # pragma: no cover - older torch
-    AuxRequest = None
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from posenc.attention import register_backend
 from posenc.encodings.base import PositionalEncoding, ScoreMod, TableForm
@@ -78,7 +73,7 @@ def causal_block_mask(length: int, device: str) -> BlockMask:
     return _cached_causal_block_mask(length, device)
 
 
-RECOMPILE_LIMIT = 256  # per compiled function: far above what one process needs (see forbid_fallback)
+RECOMPILE_LIMIT = 256  # per compiled function: far above what one process needs (see forbid_recompile_fallback)
 FALLBACK_WARNING = "flex_attention called without torch.compile"  # torch's warning when it runs the unfused path
 
 
@@ -118,8 +113,9 @@ def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
 
 # Tiles for score_mods that gather from a table: the default H100 forward tile (128 × 128, 3 stages, bf16, head
 # dim 64) needs 240 KiB of shared memory once the gathered bias is laid out, above Hopper's 227 KiB, and inductor
-# then finds no valid config (issue 13). Half-size tiles and two stages fit on every GPU since Ampere (≥ 164 KiB).
-# All divide the block mask's 128, as FlexAttention requires.
+# then finds no valid config (issue 13). Half-size tiles and two stages need well under half of that (an estimate
+# from the tile sizes: K and V stages, the Q tile and the score tile; not yet measured on a GPU). All divide the
+# block mask's 128, as FlexAttention requires, and the backward's pairs divide each other.
 TABLE_KERNEL_OPTIONS = {
     "fwd_BLOCK_M": 64,
     "fwd_BLOCK_N": 64,
@@ -175,8 +171,6 @@ def flex_run(
         q, k, v = q.detach(), k.detach(), v.detach()
     if not return_lse:
         return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
-    if AuxRequest is None:  # torch < 2.9 returns the lse directly
-        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options, return_lse=True)
     out, aux = kernel(
         q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options, return_aux=AuxRequest(lse=True)
     )

@@ -119,7 +119,7 @@ class _AttachBiasGradient(torch.autograd.Function):
         ctx.plan = plan
         # A copy, not ``out`` or a view of it: an autograd.Function output that aliases an input is replayed as a
         # view by aot_autograd under torch.compile (its ViewMeta regenerated at run time, with symbolic sizes
-        # under dynamic shapes: the path of issue 13's garbage-shape crash). One copy of (B, H, L, D) is
+        # under dynamic shapes: one path to issue 13's garbage-shape crash). One copy of (B, H, L, D) is
         # negligible next to the attention.
         return out.clone()
 
