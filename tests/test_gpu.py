@@ -29,8 +29,9 @@ pytestmark = [
 ]
 
 HEADS, HEAD_DIM = 12, 64  # the anchor benchmark's attention shape
-LEARNABLE = ["kerple_log", "kerple_power", "t5", "alibi+kerple_log+t5"]
-TABLES = ["t5", "alibi+kerple_log+t5"]  # schemes whose score_mod reads a table: the shared-memory case
+# Every gradient form in few compilations: the stack holds KERPLE-log's derivatives and T5's table, kerple_power
+# its own pair of derivatives (each scheme against eager on small shapes is the CPU suite's job).
+LEARNABLE = ["kerple_power", "alibi+kerple_log+t5"]
 RELATIVE = [name for name in available() if not scheme_class(name).absolute] + ["rope+alibi", "alibi+kerple_log+t5"]
 
 
@@ -63,9 +64,8 @@ def test_flex_learnable_matches_eager_on_cuda_fp32(name: str) -> None:
         torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["alibi", "rope+alibi"])
-def test_flex_matches_eager_on_cuda_fp32(name: str) -> None:
-    got, expected = _run("flex", name, 300, torch.float32), _run("eager", name, 300, torch.float32)
+def test_flex_matches_eager_on_cuda_fp32() -> None:
+    got, expected = _run("flex", "alibi", 300, torch.float32), _run("eager", "alibi", 300, torch.float32)
     for value, reference in zip(got, expected, strict=True):
         torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
 
@@ -78,10 +78,10 @@ def test_flex_learnable_bf16_close_to_fp32() -> None:
         assert (value - reference).norm() <= 3e-2 * reference.norm()
 
 
-@pytest.mark.parametrize("name", TABLES)
-def test_table_biases_train_at_2048_in_bf16(name: str) -> None:
-    # The shape that failed to compile on an H100 (227 KiB of shared memory): the default path, fwd + bwd.
-    enc = build(name, num_heads=HEADS, head_dim=HEAD_DIM).cuda()
+def test_t5_trains_at_2048_in_bf16() -> None:
+    # The case that failed to compile on an H100 (227 KiB of shared memory): the default path, fwd + bwd. (The
+    # tiles depend on the scheme, dtype and head dim, not the length: the stack's bf16 test above covers stacks.)
+    enc = build("t5", num_heads=HEADS, head_dim=HEAD_DIM).cuda()
     q, k, v = (
         torch.randn(8, HEADS, 2048, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
     )
@@ -90,7 +90,7 @@ def test_table_biases_train_at_2048_in_bf16(name: str) -> None:
     assert torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in enc.parameters())
 
 
-@pytest.mark.parametrize("name", ["alibi", "rope+alibi", "kerple_log", "t5"])
+@pytest.mark.parametrize("name", ["rope+alibi", "t5"])
 def test_flex_forward_keeps_long_distances_exact_in_bf16(name: str) -> None:
     # ALiBi distances past 256 are not exact in bf16: the bias must be computed in fp32 inside the kernel.
     torch.manual_seed(0)
@@ -122,11 +122,12 @@ def test_64k_batch_one_forward_fits(name: str) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("encoding", [["rope+kerple_log", "t5"], "alibi"])
-def test_compiled_training_validation_and_evaluation_match_eager(encoding: object) -> None:
+def test_compiled_training_validation_and_evaluation_match_eager() -> None:
     """The run a user starts: compiled blocks (inductor, static shapes) for training and validation, whose shapes
-    differ (issue 13's crash), then evaluation at new lengths with the blocks uncompiled; against eager.
+    differ (issue 13's crash), then evaluation at new lengths with the blocks uncompiled; against eager. One layer
+    through ``flex`` (ALiBi's crash) and one through ``flex_learnable`` (T5's).
     """
+    encoding = ["rope+alibi", "t5"]
     torch._dynamo.reset()
     torch.manual_seed(0)
     kwargs = {"vocab_size": 257, "dim": 256, "depth": 2, "heads": 4}
@@ -135,8 +136,8 @@ def test_compiled_training_validation_and_evaluation_match_eager(encoding: objec
     model.load_state_dict(reference.state_dict())
     compile_blocks(model)
     tokens = torch.randint(0, 257, (4, 257), device="cuda")
-    with torch.no_grad():  # Lightning's sanity check validates before the first training step
-        model(tokens[:2, :-1])
+    with torch.no_grad():  # Lightning's sanity check validates before the first training step, here a last batch
+        torch.testing.assert_close(model(tokens[:3, :-1]), reference(tokens[:3, :-1]), atol=1e-4, rtol=1e-4)
     for _ in range(2):
         for m in (model, reference):
             m.zero_grad(set_to_none=True)
@@ -147,8 +148,7 @@ def test_compiled_training_validation_and_evaluation_match_eager(encoding: objec
     for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad, atol=1e-4, rtol=1e-3)
     with torch.no_grad():
-        for batch in (4, 3):  # validation: full and last batch
-            torch.testing.assert_close(model(tokens[:batch, :-1]), reference(tokens[:batch, :-1]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(tokens[:, :-1]), reference(tokens[:, :-1]), atol=1e-4, rtol=1e-4)
         with eager_blocks(model):
             for length in (512, 1024):
                 probe = torch.randint(0, 257, (1, length), device="cuda")
