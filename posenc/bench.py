@@ -10,8 +10,9 @@ Three measurements, all configured in ``conf/bench.yaml`` (defaults: the H100 an
 - long context: a batch-1 attention forward of every relative scheme at ``long_context.length`` (64k by default),
   reporting its time and memory, or the error (OOM) that stopped it.
 
-Each attention length gets its own static compiled kernels (automatic dynamic shapes are switched off here), which
-is what a training run at that length compiles. Results go to ``bench.json`` and ``bench.md`` in the run directory.
+Each attention length gets its own static compiled kernels, which is what a training run at that length compiles.
+Every case prints one line as it finishes (scheme, backend, length, ms, ratio), so a long GPU run shows progress;
+the tables go to ``bench.json`` and ``bench.md`` in the run directory at the end.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from omegaconf import DictConfig
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
 from posenc.attention.flex_learnable import supports
+from posenc.compiling import compile_blocks, should_compile
 from posenc.config import CONF_DIR, to_container
 from posenc.encodings import build, scheme_class, stack_members
 from posenc.encodings.base import PositionalEncoding
 from posenc.jsonio import dumps
-from posenc.lit import compile_blocks, should_compile
 from posenc.model import Decoder
 
 FLASH = ("nope", "sdpa")  # the reference every attention time is divided by
@@ -173,7 +174,7 @@ def attention_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
                 if f"{mode}_ms" in row and f"{mode}_ms" in flash:
                     row[f"{mode}_x_flash"] = row[f"{mode}_ms"] / flash[f"{mode}_ms"]
             rows.append(row)
-        print(f"attention L={length}: done", flush=True)
+            print(case_line(row), flush=True)
     return rows
 
 
@@ -210,12 +211,11 @@ def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
             row["tokens_per_s"] = step_cfg.batch_size * step_cfg.seq_len / row["step_ms"] * 1e3
         except Exception as err:  # reported in the table
             row["error"] = failure(err)
-        rows.append(row)
-        print(f"train step {scheme}: done", flush=True)
-    nope = rows[0].get("tokens_per_s")
-    for row in rows:
+        nope = rows[0].get("tokens_per_s") if rows else row.get("tokens_per_s")
         if nope and "tokens_per_s" in row:
             row["x_nope"] = row["tokens_per_s"] / nope
+        rows.append(row)
+        print(case_line(row), flush=True)
     return [row for row in rows if row["scheme"] in step_cfg.schemes]
 
 
@@ -244,7 +244,32 @@ def long_context_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
         except Exception as err:  # an OOM here is the result being checked
             row["error"] = failure(err)
         rows.append(row)
+        print(case_line(row), flush=True)
     return rows
+
+
+def case_line(row: dict[str, Any]) -> str:
+    """One case as a progress line: what it is, its time(s) and ratio(s), or why it failed."""
+    if "seq_len" in row:
+        what = f"train step   {row['scheme']:<22} L={row['seq_len']:<6}"
+        if "error" in row:
+            return f"{what} failed: {row['error']}"
+        return f"{what} {row['step_ms']:10.3f} ms  {row['tokens_per_s']:12,.0f} tok/s  {_cell(row.get('x_nope'))}× NoPE"
+    backend = (
+        row["backend"]
+        if row.get("resolved", row["backend"]) == row["backend"]
+        else f"{row['backend']}→{row['resolved']}"
+    )
+    what = f"{'attention' if 'batch' in row else 'long context'} {row['scheme']:<22} {backend:<24} L={row['length']:<6}"
+    if "batch" not in row:
+        return f"{what} failed: {row['error']}" if "error" in row else f"{what} fwd {row['forward_ms']:10.3f} ms"
+    parts = []
+    for mode, name in (("forward", "fwd"), ("train", "fwd+bwd")):
+        if f"{mode}_error" in row:
+            parts.append(f"{name} failed: {row[f'{mode}_error']}")
+        else:
+            parts.append(f"{name} {row[f'{mode}_ms']:10.3f} ms ({_cell(row.get(f'{mode}_x_flash'))}× flash)")
+    return f"{what} " + "  ".join(parts)
 
 
 def cpu_name() -> str:
@@ -337,15 +362,13 @@ def markdown(results: dict[str, Any]) -> str:
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run every measurement ``cfg`` asks for; write ``bench.json`` and ``bench.md`` into ``out_dir``."""
     device = resolve_device(cfg.device)
-    # One static kernel per length, as a training run at that length compiles.
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        results = {
-            "environment": environment(device, resolve_dtype(cfg.dtype, device)),
-            "config": to_container(cfg),
-            "attention": attention_cases(cfg, device),
-            "train_step": train_step_cases(cfg, device) if cfg.train_step.schemes else [],
-            "long_context": long_context_cases(cfg, device),
-        }
+    results = {
+        "environment": environment(device, resolve_dtype(cfg.dtype, device)),
+        "config": to_container(cfg),
+        "attention": attention_cases(cfg, device),
+        "train_step": train_step_cases(cfg, device) if cfg.train_step.schemes else [],
+        "long_context": long_context_cases(cfg, device),
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(dumps(results))
     (out_dir / "bench.md").write_text(markdown(results))

@@ -6,7 +6,6 @@ Everything about positions lives in the model's schemes; this module only trains
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -14,6 +13,7 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from posenc.compiling import compile_blocks, should_compile
 from posenc.encodings.base import PositionalEncoding
 from posenc.model import Decoder
 
@@ -24,36 +24,6 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def should_compile(setting: str | bool, accelerator: str) -> bool:
-    """Resolve the ``compile`` setting: ``true``, ``false``, or ``auto`` = on for a CUDA GPU only.
-
-    Compiling on CPU costs more time than it saves in short runs, and the CPU test suite must stay fast.
-    """
-    if isinstance(setting, bool):
-        return setting
-    if setting not in ("auto", "true", "false"):
-        raise ValueError(f"compile must be auto, true or false, got {setting!r}")
-    if setting != "auto":
-        return setting == "true"
-    return accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-
-
-def compile_blocks(model: Decoder, backend: str | Callable[..., Any] = "inductor") -> None:
-    """Compile each transformer block in place (``Block.compile``: state_dict keys stay unchanged).
-
-    Per block rather than the whole model: every block shares one compiled graph per scheme type, so compile
-    time does not grow with depth. Shapes use torch's automatic dynamic: the first length (training's) gets a
-    static graph, the first different length (evaluation at 2×) recompiles once with the length symbolic, and
-    every later length reuses that graph. Length buckets would need padding that changes nothing for causal
-    attention but costs compute; dynamic shapes bound the compilations to two per block variant instead. The
-    recompile limit is raised because train/eval modes, schedules of several schemes and the static/dynamic
-    pair are all variants of the one ``Block.forward``, and torch's default of 8 would silently drop to eager.
-    """
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for block in model.blocks:
-        block.compile(backend=backend)
 
 
 class LitDecoder(L.LightningModule):

@@ -42,3 +42,13 @@ def make(name: str, heads: int = HEADS, head_dim: int = HEAD_DIM, **cfg):
 SCHEMES = available()
 BIAS_SCHEMES = [n for n in SCHEMES if make(n).adds_bias]
 RELATIVE_SCHEMES = [n for n in SCHEMES if not make(n).absolute]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``-m gpu`` is the quick GPU check (≤ 5 min): its speed tests run only when asked (``-m "gpu and slow"``)."""
+    if "slow" in (config.option.markexpr or ""):
+        return
+    speed = [item for item in items if item.get_closest_marker("gpu") and item.get_closest_marker("slow")]
+    if speed:
+        config.hook.pytest_deselected(items=speed)
+        items[:] = [item for item in items if item not in speed]

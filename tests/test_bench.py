@@ -37,9 +37,15 @@ def _compose(*overrides: str):
         return compose(config_name="bench", overrides=[*TINY, *overrides])
 
 
-def test_bench_writes_json_and_markdown(tmp_path: Path) -> None:
+def test_bench_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     results = run(_compose(), tmp_path)
     saved = json.loads((tmp_path / "bench.json").read_text())
+    # One progress line per case, printed as it finished (a long GPU run shows where it is).
+    printed = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("attention") for line in printed) == len(saved["attention"])
+    assert sum(line.startswith("long context") for line in printed) == len(saved["long_context"])
+    assert any(line.startswith("train step") and " t5 " in line and "× NoPE" in line for line in printed)
+    assert any(" t5 " in line and "flex_learnable" in line and "× flash" in line for line in printed)
     assert saved["environment"]["device"].startswith("cpu") and saved["environment"]["torch"]
     assert (tmp_path / "bench.md").read_text() == markdown(results)
 

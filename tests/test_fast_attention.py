@@ -1,6 +1,6 @@
 """The fast paths equal the dense reference: flex_learnable's values and gradients (q, k, v and bias parameters),
 the declarations it relies on (bias_gradient_forms, score_mod(detached=True)), auto's choice, the fused rotation,
-and per-block compilation (no recompiling per evaluation length)."""
+and the compile setting (compiled training itself: test_compiling.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from posenc.attention import get_backend
 from posenc.attention.auto import choose
 from posenc.attention.bias_grad import diagonal_sums, row_deltas
 from posenc.attention.flex import _causal, build_causal_block_mask
+from posenc.compiling import compile_blocks, should_compile
 from posenc.encodings.base import DerivativeForm, TableForm
 from posenc.encodings.kerple import KerpleLog
-from posenc.lit import compile_blocks, should_compile
 from posenc.model import Decoder
 
 LEARNABLE = ["kerple_log", "kerple_power", "t5", "alibi+kerple_log+t5", "rope+kerple_power"]
@@ -222,29 +222,6 @@ def test_compile_setting() -> None:
     assert not should_compile("auto", "cpu")
     with pytest.raises(ValueError, match="compile must be auto, true or false"):
         should_compile("yes", "gpu")
-
-
-def test_compiled_blocks_do_not_recompile_per_length() -> None:
-    from torch._dynamo.testing import CompileCounter
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    kwargs = {"vocab_size": 50, "dim": 32, "depth": 2, "heads": 4, "attention": "sdpa"}
-    reference = Decoder(["rope", "alibi"], **kwargs).eval()
-    model = Decoder(["rope", "alibi"], **kwargs).eval()
-    model.load_state_dict(reference.state_dict())
-    keys = list(model.state_dict())
-    counter = CompileCounter()
-    compile_blocks(model, backend=counter)
-    assert list(model.state_dict()) == keys  # checkpoints stay interchangeable
-    frames = []
-    with torch.no_grad():
-        for length in (16, 24, 40, 72, 100, 130):
-            tokens = torch.randint(0, 50, (2, length))
-            torch.testing.assert_close(model(tokens), reference(tokens), atol=1e-5, rtol=1e-5)
-            frames.append(counter.frame_count)
-    # The training length and the first new one compile; every later length reuses the dynamic graphs.
-    assert frames[1] == frames[-1] > 0, frames
 
 
 @pytest.mark.slow

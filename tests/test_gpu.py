@@ -1,30 +1,46 @@
-"""GPU integration tests (``pytest -m gpu`` on a CUDA machine; skipped elsewhere).
+"""GPU integration tests: ``pytest -m gpu`` on a CUDA machine (skipped elsewhere), ≤ 5 minutes on one H100.
 
-The same comparisons as the CPU tests, but through compiled FlexAttention on CUDA (the path training uses), plus
-bf16 closeness, the 64k batch-1 forward of every relative scheme, and speed against the issue's targets.
+The default selection checks correctness on small shapes through the paths training uses (compiled FlexAttention,
+compiled blocks with static shapes, uncompiled evaluation), that table biases compile within Hopper's shared
+memory, and that no path ever falls back to the unfused FlexAttention (its warning is an error in every test
+here). Speed against issue 14's targets is separate: ``pytest -m "gpu and slow"``. Every test has a timeout
+(pytest-timeout), so a hang fails its test instead of the whole run.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
-import torch.nn.functional as F
 
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
+from posenc.attention.flex import FALLBACK_WARNING
 from posenc.bench import attention_call, median_ms
+from posenc.compiling import compile_blocks, eager_blocks
 from posenc.encodings import available, build, scheme_class
-from posenc.lit import compile_blocks
 from posenc.model import Decoder
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.timeout(120),
 ]
 
 HEADS, HEAD_DIM = 12, 64  # the anchor benchmark's attention shape
-LEARNABLE = ["kerple_log", "kerple_power", "t5", "alibi+kerple_log+t5"]
+# Every gradient form in few compilations: the stack holds KERPLE-log's derivatives and T5's table, kerple_power
+# its own pair of derivatives (each scheme against eager on small shapes is the CPU suite's job).
+LEARNABLE = ["kerple_power", "alibi+kerple_log+t5"]
 RELATIVE = [name for name in available() if not scheme_class(name).absolute] + ["rope+alibi", "alibi+kerple_log+t5"]
+
+
+@pytest.fixture(autouse=True)
+def _unfused_flex_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.nn.attention.flex_attention as torch_flex
+
+    monkeypatch.setattr(torch_flex, "_WARNINGS_SHOWN", set())  # torch warns once per process: make it warn again
+    warnings.filterwarnings("error", message=FALLBACK_WARNING, category=UserWarning)
 
 
 def _run(backend: str, name: str, length: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -42,20 +58,39 @@ def _run(backend: str, name: str, length: int, dtype: torch.dtype, seed: int = 0
 
 @pytest.mark.parametrize("name", LEARNABLE)
 def test_flex_learnable_matches_eager_on_cuda_fp32(name: str) -> None:
+    # 300: not a multiple of FlexAttention's 128 (partial blocks, pytorch/pytorch#153799's case).
     got, expected = _run("flex_learnable", name, 300, torch.float32), _run("eager", name, 300, torch.float32)
     for value, reference in zip(got, expected, strict=True):
         torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("name", LEARNABLE)
-def test_flex_learnable_bf16_close_to_fp32(name: str) -> None:
+def test_flex_matches_eager_on_cuda_fp32() -> None:
+    got, expected = _run("flex", "alibi", 300, torch.float32), _run("eager", "alibi", 300, torch.float32)
+    for value, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
+
+
+def test_flex_learnable_bf16_close_to_fp32() -> None:
+    name = "alibi+kerple_log+t5"  # every gradient form at once
     got, expected = _run("flex_learnable", name, 1024, torch.bfloat16), _run("eager", name, 1024, torch.float32)
     for value, reference in zip(got, expected, strict=True):
         # Relative to the tensor's scale: bf16 keeps ~3 significant digits; the bias is kept in fp32 throughout.
         assert (value - reference).norm() <= 3e-2 * reference.norm()
 
 
-@pytest.mark.parametrize("name", ["alibi", "rope+alibi", "kerple_log", "t5"])
+def test_t5_trains_at_2048_in_bf16() -> None:
+    # The case that failed to compile on an H100 (227 KiB of shared memory): the default path, fwd + bwd. (The
+    # tiles depend on the scheme, dtype and head dim, not the length: the stack's bf16 test above covers stacks.)
+    enc = build("t5", num_heads=HEADS, head_dim=HEAD_DIM).cuda()
+    q, k, v = (
+        torch.randn(8, HEADS, 2048, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    out = attention_call(enc, choose(enc, is_cuda=True), q, k, v)()
+    out.float().square().mean().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in enc.parameters())
+
+
+@pytest.mark.parametrize("name", ["rope+alibi", "t5"])
 def test_flex_forward_keeps_long_distances_exact_in_bf16(name: str) -> None:
     # ALiBi distances past 256 are not exact in bf16: the bias must be computed in fp32 inside the kernel.
     torch.manual_seed(0)
@@ -86,71 +121,83 @@ def test_64k_batch_one_forward_fits(name: str) -> None:
     assert peak_gib < 2.0, f"{name} used {peak_gib:.2f} GiB above its inputs at 64k"
 
 
-def test_compiled_model_trains_like_eager_and_does_not_recompile_per_length() -> None:
-    from torch._dynamo.testing import CompileCounterWithBackend
-
+@pytest.mark.timeout(240)
+def test_compiled_training_validation_and_evaluation_match_eager() -> None:
+    """The run a user starts: compiled blocks (inductor, static shapes) for training and validation, whose shapes
+    differ (issue 13's crash), then evaluation at new lengths with the blocks uncompiled; against eager. One layer
+    through ``flex`` (ALiBi's crash) and one through ``flex_learnable`` (T5's).
+    """
+    encoding = ["rope+alibi", "t5"]
     torch._dynamo.reset()
     torch.manual_seed(0)
     kwargs = {"vocab_size": 257, "dim": 256, "depth": 2, "heads": 4}
-    reference = Decoder(["rope+kerple_log", "t5"], attention="eager", **kwargs).cuda()
-    model = Decoder(["rope+kerple_log", "t5"], attention="auto", **kwargs).cuda()
+    reference = Decoder(encoding, attention="eager", **kwargs).cuda()
+    model = Decoder(encoding, attention="auto", **kwargs).cuda()
     model.load_state_dict(reference.state_dict())
-    counter = CompileCounterWithBackend("inductor")  # the real compiler, counted
-    compile_blocks(model, backend=counter)
-    tokens = torch.randint(0, 257, (2, 257), device="cuda")
-    losses = [m.loss(tokens[:, :-1], tokens[:, 1:]) for m in (model, reference)]
-    for loss in losses:
-        loss.backward()
-    torch.testing.assert_close(losses[0], losses[1], atol=1e-4, rtol=1e-4)
+    compile_blocks(model)
+    tokens = torch.randint(0, 257, (4, 257), device="cuda")
+    with torch.no_grad():  # Lightning's sanity check validates before the first training step, here a last batch
+        torch.testing.assert_close(model(tokens[:3, :-1]), reference(tokens[:3, :-1]), atol=1e-4, rtol=1e-4)
+    for _ in range(2):
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        losses = [m.loss(tokens[:, :-1], tokens[:, 1:]) for m in (model, reference)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[0], losses[1], atol=1e-4, rtol=1e-4)
     for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad, atol=1e-4, rtol=1e-3)
-    frames = []
     with torch.no_grad():
-        for length in (256, 512, 1024, 2048, 4096):
-            model(torch.randint(0, 257, (1, length), device="cuda"))
-            frames.append(counter.frame_count)
-    assert frames[1] == frames[-1], frames
+        torch.testing.assert_close(model(tokens[:, :-1]), reference(tokens[:, :-1]), atol=1e-4, rtol=1e-4)
+        with eager_blocks(model):
+            for length in (512, 1024):
+                probe = torch.randint(0, 257, (1, length), device="cuda")
+                torch.testing.assert_close(model(probe), reference(probe), atol=1e-4, rtol=1e-4)
 
 
-def _fwd_bwd_ms(name: str, backend: str, length: int) -> float:
+# Issue 14's targets (fwd+bwd, bf16, ratio to SDPA flash without a bias in the same process), with 15% margin for
+# timing noise: fixed biases and rotations ≤ 1.3×, learnable biases ≤ 1.5×.
+TARGETS = {"alibi": 1.3, "rope": 1.3, "xpos": 1.3, "kerple_log": 1.5, "kerple_power": 1.5, "t5": 1.5}
+MARGIN = 1.15
+
+
+def _fwd_bwd_ms(name: str, length: int) -> float:
     enc = build(name, num_heads=HEADS, head_dim=HEAD_DIM).cuda()
-    batch = 16384 // length
-    q, k, v = (
-        torch.randn(batch, HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
-    )
+    shape = (16384 // length, HEADS, length, HEAD_DIM)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad = torch.randn_like(q)
-    call = attention_call(enc, backend, q, k, v)
+    call = attention_call(enc, choose(enc, is_cuda=True), q, k, v)
 
     def step() -> None:
         call().backward(grad)
         for tensor in (q, k, v, *enc.parameters()):
             tensor.grad = None
 
-    return median_ms(step, torch.device("cuda"), warmup=3, repeats=10)
+    return median_ms(step, torch.device("cuda"), warmup=3, repeats=10, budget_s=5)
 
 
-def test_speed_against_the_issue_targets() -> None:
-    """Forward+backward at L = 8192 (16k tokens, bf16, 12 × 64) as a ratio to SDPA flash without a bias.
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("length", [2048, 8192, 16384])
+def test_speed_against_the_issue_targets(length: int) -> None:
+    """Forward+backward at 16k tokens per batch (bf16, 12 × 64) of ``auto``, as a ratio to flash without a bias."""
+    flash_ms = _fwd_bwd_ms("nope", length)
+    ratios = {name: _fwd_bwd_ms(name, length) / flash_ms for name in TARGETS}
+    print(f"L={length}:", {name: round(ratio, 2) for name, ratio in ratios.items()})
+    missed = {name: round(ratio, 2) for name, ratio in ratios.items() if ratio > TARGETS[name] * MARGIN}
+    assert not missed, f"above issue 14's target × {MARGIN} at L={length}: {missed}"
 
-    Asserted: RoPE and xPos within the issue's 1.3× target (the rotation is compiled); the learnable biases
-    within its hard floor of 3× (the 1.5× target needs a fused kernel, see docs/benchmarks.md); ALiBi within 2×
-    (the anchor measured FlexAttention ALiBi at 1.6× on this shape, above the 1.3× target, before any tuning).
-    """
-    length = 8192
-    shape = (16384 // length, HEADS, length, HEAD_DIM)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grad = torch.randn_like(q)
 
-    def flash() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-        q.grad = k.grad = v.grad = None
-
-    flash_ms = median_ms(flash, torch.device("cuda"), warmup=3, repeats=10)
-    limits = {"rope": 1.3, "xpos": 1.3, "alibi": 2.0, "kerple_log": 3.0, "kerple_power": 3.0, "t5": 3.0}
-    ratios = {}
-    for name in limits:
-        backend = choose(build(name, num_heads=HEADS, head_dim=HEAD_DIM), is_cuda=True)
-        ratios[name] = _fwd_bwd_ms(name, backend, length) / flash_ms
-    print({name: round(ratio, 2) for name, ratio in ratios.items()})
-    assert all(ratios[name] <= limit for name, limit in limits.items()), ratios
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_64k_forward_within_twice_nope() -> None:
+    length = 65536
+    q, k, v = (torch.randn(1, HEADS, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    times = {}
+    for name in ["nope", *RELATIVE]:
+        enc = build(name, num_heads=HEADS, head_dim=HEAD_DIM).cuda()
+        with torch.no_grad():
+            times[name] = median_ms(attention_call(enc, choose(enc, is_cuda=True), q, k, v), torch.device("cuda"), 1, 3)
+    ratios = {name: round(ms / times["nope"], 2) for name, ms in times.items()}
+    print("64k forward × NoPE:", ratios)
+    assert all(ratio <= 2.0 * MARGIN for ratio in ratios.values()), ratios

@@ -2,8 +2,9 @@
 
 No (L × L) tensor exists on this path: the bias is computed per score inside the kernel, and the block mask
 (built once per length and cached) skips the blocks above the diagonal. On CUDA the kernel is compiled once
-and reused. On CPU, FlexAttention runs the forward only (torch has no CPU backward for it), so this backend
-refuses to run on CPU when gradients are needed rather than failing deep inside torch.
+and reused, with static shapes, and never silently falls back to the unfused path (``compiled_flex_attention``).
+On CPU, FlexAttention runs the forward only (torch has no CPU backward for it), so this backend refuses to run on
+CPU when gradients are needed rather than failing deep inside torch.
 
 Positions are assumed contiguous and shared by queries and keys (self-attention over one window): the kernel
 sees indices ``0..L-1`` and the mod receives them shifted by the window's first position.
@@ -12,19 +13,15 @@ sees indices ``0..L-1`` and the mod receives them shifted by the window's first 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-try:  # torch ≥ 2.9 asks for the lse through return_aux (return_lse is deprecated there)
-    from torch.nn.attention.flex_attention import AuxRequest
-except ImportError:  # pragma: no cover - older torch
-    AuxRequest = None
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from posenc.attention import register_backend
-from posenc.encodings.base import PositionalEncoding, ScoreMod
+from posenc.encodings.base import PositionalEncoding, ScoreMod, TableForm
 
 
 def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -76,22 +73,73 @@ def causal_block_mask(length: int, device: str) -> BlockMask:
     return _cached_causal_block_mask(length, device)
 
 
-RECOMPILE_LIMIT = 64  # compiled variants of flex: one per score_mod code, dtype, grad mode (and static length)
+RECOMPILE_LIMIT = 256  # per compiled function: far above what one process needs (see forbid_recompile_fallback)
+FALLBACK_WARNING = "flex_attention called without torch.compile"  # torch's warning when it runs the unfused path
+
+
+def forbid_recompile_fallback() -> None:
+    """Make dynamo raise, rather than silently run eagerly, when a compiled function passes its recompile limit.
+
+    Past the limit, dynamo runs a frame uncompiled for the rest of the process and says so once in a log line;
+    for FlexAttention that is the unfused path that materialises B × H × L² scores (an OOM or a 100× slowdown
+    hours into a run). The limits are sized so that a correct run stays far below them: one graph per score_mod
+    code, dtype, grad mode and static shape (training, validation, each evaluation shape), for every scheme one
+    process compares.
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
+    )
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 @functools.cache
 def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
-    """flex_attention compiled once per process (compiling per call would dominate the runtime).
+    """flex_attention compiled once per process (compiling per call would dominate the runtime), static shapes.
 
-    Shapes are left to automatic dynamic (``dynamic=None``): the first length (training's) gets a static kernel,
-    the first other length recompiles once with the length symbolic, and every later length reuses that, so
-    evaluating at 1×…32× the training length costs two compilations per score_mod, not one per length. Each
-    scheme's mod (and the learnable-bias path's derivative mods) is a separate variant of the same frame, so the
-    recompile limit is raised from torch's default of 8, which a comparison of several schemes in one process
-    would exceed and then silently fall back to the uncompiled flex (which materialises the scores).
+    ``dynamic=False``: every (batch, length) gets its own kernel. Automatic dynamic shapes (a symbolic length after
+    the first new one) crashed on an H100 with torch 2.11 (issue 13: a garbage shape from aot_autograd's
+    ``gen_alias_from_base``, as in pytorch/pytorch#185630), and static kernels are what ran there without a crash.
+    Outside a compiled model (evaluation, the benchmark) this costs one compilation per evaluation shape and
+    score_mod, a few seconds each; inside a compiled block the call is traced into the block's own graph.
+
+    Used on CUDA only, so from then on torch's warning that flex_attention ran uncompiled (the unfused path) is an
+    error in this process, and the recompile limit raises (``forbid_recompile_fallback``).
     """
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(flex_attention, dynamic=None)
+    forbid_recompile_fallback()
+    warnings.filterwarnings("error", message=FALLBACK_WARNING, category=UserWarning)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+# Tiles for score_mods that gather from a table: the default H100 forward tile (128 × 128, 3 stages, bf16, head
+# dim 64) needs 240 KiB of shared memory once the gathered bias is laid out, above Hopper's 227 KiB, and inductor
+# then finds no valid config (issue 13). Half-size tiles and two stages need well under half of that (an estimate
+# from the tile sizes: K and V stages, the Q tile and the score tile; not yet measured on a GPU). All divide the
+# block mask's 128, as FlexAttention requires, and the backward's pairs divide each other.
+TABLE_KERNEL_OPTIONS = {
+    "fwd_BLOCK_M": 64,
+    "fwd_BLOCK_N": 64,
+    "fwd_num_stages": 2,
+    "fwd_num_warps": 4,
+    "bwd_BLOCK_M1": 32,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 32,
+    "bwd_num_stages": 2,
+    "bwd_num_warps": 4,
+}
+
+
+def kernel_options(encoding: PositionalEncoding) -> dict[str, int] | None:
+    """FlexAttention kernel options for this scheme: smaller tiles when a member's bias is a table lookup.
+
+    Read from what the scheme declares: a member whose ``bias_gradient_forms`` include a ``TableForm`` indexes a
+    tensor inside its score_mod. ``None`` keeps torch's defaults (every other scheme compiles with them).
+    """
+    reads_table = any(
+        isinstance(form, TableForm) for member in encoding.members for form in member.bias_gradient_forms() or []
+    )
+    return dict(TABLE_KERNEL_OPTIONS) if reads_table else None
 
 
 def shifted(mod: ScoreMod, offset: Tensor) -> ScoreMod:
@@ -103,10 +151,18 @@ def shifted(mod: ScoreMod, offset: Tensor) -> ScoreMod:
     return at_positions
 
 
-def flex_run(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, return_lse: bool = False) -> Any:
+def flex_run(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_mod: ScoreMod | None,
+    return_lse: bool = False,
+    options: dict[str, int] | None = None,
+) -> Any:
     """Causal FlexAttention with the cached block mask: ``out``, or ``(out, lse)`` with the fp32 natural-log lse.
 
-    Compiled on CUDA; eager elsewhere, where torch runs the forward only.
+    Compiled on CUDA; eager elsewhere, where torch runs the forward only. ``options`` are the kernel options
+    (``kernel_options(encoding)``).
     """
     length = q.shape[-2]
     block_mask = causal_block_mask(length, str(q.device))
@@ -114,10 +170,10 @@ def flex_run(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, return
     if not q.is_cuda and not torch.is_grad_enabled():  # torch refuses CPU inputs that require grad, even here
         q, k, v = q.detach(), k.detach(), v.detach()
     if not return_lse:
-        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    if AuxRequest is None:  # torch < 2.9 returns the lse directly
-        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)
-    out, aux = kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options)
+    out, aux = kernel(
+        q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options, return_aux=AuxRequest(lse=True)
+    )
     return out, aux.lse
 
 
@@ -135,4 +191,4 @@ def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, 
             "Use attention=sdpa (or attention=auto) on CPU; flex trains on CUDA."
         )
     mod = encoding.score_mod()
-    return flex_run(q, k, v, shifted(mod, q_pos[0]) if mod is not None else None)
+    return flex_run(q, k, v, shifted(mod, q_pos[0]) if mod is not None else None, options=kernel_options(encoding))

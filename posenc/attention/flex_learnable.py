@@ -11,7 +11,7 @@ compile (``../shared/notes/learnable-bias-gradient.md``). This backend splits th
   (``bias_grad.py``): one extra flex forward per ``DerivativeForm`` (KERPLE: two, for all heads at once) and one
   O(L · horizon) band pass for all ``TableForm``s (T5). Both use only q, k, v, O, lse and dO.
 
-The split is an identity-valued autograd node on the attention output: its forward returns O unchanged, its
+The split is an identity-valued autograd node on the attention output: its forward returns a copy of O, its
 backward passes dO through to the attention (for q, k, v) and returns the parameters' gradients. The backend asks
 the scheme what it declares and never names one; a learnable scheme that declares nothing is refused here (``auto``
 then keeps ``flex``). Positions are the self-attention window's, as in ``flex``.
@@ -19,6 +19,7 @@ then keeps ``flex``). Positions are the self-attention window's, as in ``flex``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,14 +34,16 @@ from posenc.attention.bias_grad import (
     table_gradient,
     with_log_factor,
 )
-from posenc.attention.flex import check_self_attention, flex_run, shifted
+from posenc.attention.flex import check_self_attention, flex_run, kernel_options, shifted
 from posenc.attention.sdpa import sdpa_with_bias
 from posenc.encodings.base import DerivativeForm, PositionalEncoding, ScoreMod, TableForm
 
 
-def attend_with_lse(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None) -> tuple[Tensor, Tensor]:
+def attend_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, options: dict[str, int] | None = None
+) -> tuple[Tensor, Tensor]:
     """One causal flex forward returning (out, lse): the extra forwards of Identity 1 (run without grad)."""
-    return flex_run(q, k, v, score_mod, return_lse=True)
+    return flex_run(q, k, v, score_mod, return_lse=True, options=options)
 
 
 @dataclass
@@ -53,14 +56,16 @@ class BiasGradientPlan:
     score_mod: ScoreMod | None  # the whole scheme's bias, detached, at absolute positions
     offset: Tensor  # the window's first position: kernel index 0
     band_bias: Tensor | None  # (H, max horizon) the whole scheme's bias by distance, for TableForms
+    options: dict[str, int] | None  # FlexAttention kernel options of the scheme (``flex.kernel_options``)
 
     def gradients(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> list[Tensor]:
         """Each parameter's gradient, aligned with ``parameters``."""
         deltas = row_deltas(out, dout)
+        attend = functools.partial(attend_with_lse, options=self.options)
         grads = []
         for form in self.derivatives:
             mod = shifted(with_log_factor(self.score_mod, form.log_factor), self.offset)
-            grads.append(form.scale * derivative_sums(q, k, v, lse, dout, deltas, mod, attend_with_lse))
+            grads.append(form.scale * derivative_sums(q, k, v, lse, dout, deltas, mod, attend))
         if self.tables:
             width = max(form.horizon for form in self.tables)
             diagonals = diagonal_sums(q, k, v, lse, dout, deltas, self.band_bias[:, :width])
@@ -92,7 +97,15 @@ def plan_bias_gradient(encoding: PositionalEncoding, offset: Tensor) -> BiasGrad
     if tables:
         with torch.no_grad():
             band_bias = encoding.distance_bias(max(f.horizon for f in tables)).float()
-    return BiasGradientPlan(derivatives, tables, parameters, encoding.score_mod(detached=True), offset, band_bias)
+    return BiasGradientPlan(
+        derivatives,
+        tables,
+        parameters,
+        encoding.score_mod(detached=True),
+        offset,
+        band_bias,
+        kernel_options(encoding),
+    )
 
 
 class _AttachBiasGradient(torch.autograd.Function):
@@ -104,7 +117,11 @@ class _AttachBiasGradient(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        return out.view_as(out)
+        # A copy, not ``out`` or a view of it: an autograd.Function output that aliases an input is replayed as a
+        # view by aot_autograd under torch.compile (its ViewMeta regenerated at run time, with symbolic sizes
+        # under dynamic shapes: one path to issue 13's garbage-shape crash). One copy of (B, H, L, D) is
+        # negligible next to the attention.
+        return out.clone()
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
@@ -119,15 +136,18 @@ def constant_bias_attention(
     """(out, lse or None) with the bias held constant: out is differentiable in q, k, v only."""
     mod = encoding.score_mod(detached=True)
     mod = shifted(mod, pos[0]) if mod is not None else None
+    options = kernel_options(encoding)
     trains_qkv = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if q.is_cuda or not trains_qkv:
-        return flex_run(q, k, v, mod, return_lse=True) if with_lse else (flex_run(q, k, v, mod), None)
+        if with_lse:
+            return flex_run(q, k, v, mod, return_lse=True, options=options)
+        return flex_run(q, k, v, mod, options=options), None
     # CPU training: flex has no backward, so the differentiable output comes from SDPA (and the lse from flex).
     out = sdpa_with_bias(q, k, v, lambda q_pos, k_pos: encoding.bias(q_pos, k_pos).detach(), pos, pos)
     if not with_lse:
         return out, None
     with torch.no_grad():
-        return out, attend_with_lse(q, k, v, mod)[1]
+        return out, attend_with_lse(q, k, v, mod, options)[1]
 
 
 @register_backend("flex_learnable")

@@ -64,9 +64,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def load_module(
-    checkpoint: Path, device: str, attention: str | None, compile_setting: str | bool | None = None
-) -> tuple[LitDecoder, dict[str, Any]]:
+def load_module(checkpoint: Path, device: str, attention: str | None) -> tuple[LitDecoder, dict[str, Any]]:
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     try:
         hparams = state["hyper_parameters"]
@@ -75,9 +73,8 @@ def load_module(
         raise SystemExit(f"{checkpoint} is not a posenc checkpoint (no saved config: missing {err})") from err
     if attention is not None:
         config = {**config, "attention": {"name": attention}}
-    if compile_setting is not None:
-        config = {**config, "compile": compile_setting}
-    module = LitDecoder(config, vocab_size=hparams["vocab_size"])
+    # Evaluation runs the blocks uncompiled (posenc/compiling.py): compiling them here would be wasted.
+    module = LitDecoder({**config, "compile": False}, vocab_size=hparams["vocab_size"])
     try:
         module.load_state_dict(state["state_dict"])
     except RuntimeError as err:
@@ -93,7 +90,7 @@ def _main(cfg: DictConfig) -> None:
 
     checkpoint, run_dir = resolve_checkpoint(cfg.target)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    module, config = load_module(checkpoint, device, cfg.attention, cfg.compile)
+    module, config = load_module(checkpoint, device, cfg.attention)
     check_consistency(config, run_dir, cfg)
     eval_cfg = to_container(cfg.eval)
     task = config["data"].get("task")

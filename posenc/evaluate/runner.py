@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from torch import nn
 
+from posenc.compiling import eager_blocks
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
@@ -43,7 +44,20 @@ def evaluate_model(
 
     ``run_info`` carries label, train_len, seed, encoding; ``stream`` is the held-out token stream for
     language-modelling runs (``None`` for task runs); ``task`` is the synthetic task a model was trained on.
+    Compiled blocks run uncompiled here (``posenc/compiling.py``): a static graph per evaluation shape would cost
+    one compilation per length for a single pass; the attention kernels stay compiled.
     """
+    with eager_blocks(model):
+        return _evaluate(model, run_info, eval_cfg, stream, task)
+
+
+def _evaluate(
+    model: nn.Module,
+    run_info: dict[str, Any],
+    eval_cfg: dict[str, Any],
+    stream: np.ndarray | None,
+    task: str | None,
+) -> dict[str, Any]:
     train_len = int(run_info["train_len"])
     lengths = [int(m * train_len) for m in eval_cfg["multiples"]]
     results: dict[str, Any] = {**run_info, "eval": {k: v for k, v in eval_cfg.items() if k != "plots"}}
