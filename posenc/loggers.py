@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from posenc.sweep import global_rank
+from posenc.runs import global_rank
 
 
 def _api_key_configured() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,23 +22,30 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, MissingMandatoryValue, open_dict
 
-from posenc.config import CONF_DIR, require_encoding, to_container
-from posenc.data.datamodule import TaskDataModule, TextDataModule
+from posenc.config import CONF_DIR, remove_if_only_bookkeeping, require_encoding, to_container
 from posenc.evaluate.runner import RESULTS_FILE, ExtrapolationEval
-from posenc.jsonio import dumps
-from posenc.lit import LitDecoder
+from posenc.lit import DivergedError, LitDecoder
 from posenc.loggers import build_loggers, finish_loggers
-from posenc.sweep import (
+from posenc.runs import (
+    CHECKPOINT,
     DONE_FILE,
-    job_state,
-    join_submitit_tasks,
+    FAILED_FILE,
+    RUN_FILE,
+    RunError,
+    build_datamodule,
+    check_data,
     read_checkpoint,
-    wandb_group,
-    wandb_run_id,
+    resume_checkpoint,
+    run_info,
+    validate,
+    wandb_id,
     write_done,
+    write_failed,
+    write_json,
 )
+from posenc.sweep import job_state, join_submitit_tasks, wandb_group, wandb_run_id
 
 # Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
 # training windows are numbered, and a resumed run starts after those it trained on (TokenAccounting).
@@ -50,37 +58,6 @@ def resolve_precision(requested: str, accelerator: str) -> str:
         return requested
     on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
     return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
-
-
-def build_datamodule(config: dict[str, Any], num_samples: int) -> TextDataModule | TaskDataModule:
-    """The data module a ``data`` config describes: a synthetic ``task`` or a text ``corpus``."""
-    data = config["data"]
-    common = {
-        "seq_len": data["seq_len"],
-        "batch_size": data["batch_size"],
-        "num_samples": num_samples,
-        "val_windows": data.get("val_windows"),
-        "num_workers": data.get("num_workers", 0),
-        "seed": config["seed"],
-    }
-    if "task" in data:
-        return TaskDataModule(task=data["task"], **common)
-    return TextDataModule(
-        corpus=data["corpus"], corpus_options=data.get("corpus_options"), cache_dir=data["cache_dir"], **common
-    )
-
-
-def run_info(config: dict[str, Any], label: str, data_info: dict[str, Any]) -> dict[str, Any]:
-    """What identifies a run in results files and the report."""
-    return {
-        "label": label,
-        "encoding": config["encoding"],
-        "train_len": config["data"]["seq_len"],
-        "seed": config["seed"],
-        "model": config["model"],
-        "data": data_info,
-        "run_name": config["run_name"],
-    }
 
 
 class TokenAccounting(Callback):
@@ -145,26 +122,35 @@ def global_batch(batch_size: int, trainer: L.Trainer, seq_len: int) -> dict[str,
     return {"world_size": trainer.world_size, "global_batch_size": windows, "tokens_per_step": windows * seq_len}
 
 
-def resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint ``resume`` names (``last``: this run's own), or ``None`` to start fresh."""
-    if resume is None:
-        return None
-    path = run_dir / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
-    if not path.is_file():
-        raise SystemExit(f"resume={resume}: there is no checkpoint at {path}")
-    return path
+class SaveOnInterrupt(Callback):
+    """Ctrl-C: save ``last.ckpt`` at the current step and print the command that resumes the run."""
+
+    def __init__(self, checkpoint: Path, resume_command: str) -> None:
+        self.checkpoint, self.resume_command = checkpoint, resume_command
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            trainer.save_checkpoint(self.checkpoint)
+            if trainer.is_global_zero:
+                print(f"interrupted at step {trainer.global_step}; saved {self.checkpoint}. Resume with:")
+                print(f"  {self.resume_command}")
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> dict[str, Any]:
     """Train one run into ``run_dir``; return its summary (also written to ``run_dir/run.json``).
 
-    Ends by writing ``run_dir/done.json`` on rank zero, after the evaluation and the loggers: a run without it
-    did not finish, which is how a relaunched sweep tells what to skip.
+    Every value is checked before anything is written (``RunError``: one line, what to do). Ends by writing
+    ``run_dir/done.json`` on rank zero, after the evaluation and the loggers: a run without it did not finish,
+    which is how a relaunched sweep tells what to skip. A non-finite loss stops the run with ``failed.json``
+    and a ``RunError`` naming the step; the last checkpoint on disk is the last good one.
     """
-    config = to_container(cfg)
+    try:
+        config = to_container(cfg)
+    except MissingMandatoryValue as err:
+        raise RunError(f"{err.full_key} must be set (e.g. {_example(err.full_key)})") from None
+    validate(config)
     resume = resume_checkpoint(config.get("resume"), run_dir)
     resume_step = read_checkpoint(resume)[0] if resume is not None else 0
-    run_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(config["seed"], workers=True, verbose=False)
     trainer_cfg = dict(config["trainer"])
     trainer_cfg["precision"] = resolve_precision(trainer_cfg["precision"], trainer_cfg["accelerator"])
@@ -173,7 +159,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # Sized for one process here; TokenAccounting resizes it for the world size once Lightning knows it.
     samples = trainer_cfg["max_steps"] * config["data"]["batch_size"] * trainer_cfg["accumulate_grad_batches"]
     datamodule = build_datamodule(config, samples)
-    data_info = datamodule.describe()
+    data_info = check_data(datamodule)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if config["logger"].get("kind") == "wandb" and not config["logger"].get("id"):
+        config["logger"] = {**config["logger"], "id": wandb_id(run_dir)}  # a resumed run continues its W&B run
     module = LitDecoder(config, vocab_size=datamodule.vocab_size)
     label = module.model.label
     info = run_info(config, label, data_info)
@@ -189,6 +178,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             every_n_train_steps=config["checkpoint_every_n_steps"],
         ),
         TokenAccounting(trainer_cfg["max_steps"], resume_step),
+        SaveOnInterrupt(run_dir / CHECKPOINT, resume_command or f"resume=last in {run_dir}"),
     ]
     if loggers:  # it only logs, and refuses to run without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
@@ -203,6 +193,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    except DivergedError as err:
+        finish_loggers(loggers, success=False)
+        checkpoint = run_dir / CHECKPOINT
+        kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "no checkpoint was saved"
+        message = f"{config['run_name']}: training diverged: {err}; {kept}. Lower optim.lr or raise warmup"
+        if trainer.is_global_zero:
+            write_failed(run_dir, config, str(err), err.step)
+        raise RunError(message) from None
     except BaseException:
         finish_loggers(loggers, success=False)
         raise
@@ -219,20 +217,24 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "tokens": steps * accounting["tokens_per_step"],
         "resumed_from": resumed_from,
         "train_seconds": time.perf_counter() - started,
-        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
+        "checkpoint": str(run_dir / CHECKPOINT),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
         "eval": _eval_summary(evaluation, run_dir),
     }
     finish_loggers(loggers, success=True)
     if trainer.is_global_zero:
-        (run_dir / "run.json").write_text(dumps(summary))
+        write_json(run_dir / RUN_FILE, summary)
         write_done(run_dir, config, steps)
     return summary
 
 
+def _example(key: str) -> str:
+    return "data.corpus_options.paths=[notes.txt]" if key.endswith("paths") else f"{key}=..."
+
+
 def _checkpoint_step(run_dir: Path) -> int:
     """The last checkpoint's step, for when this process's trainer did not train (ddp_spawn)."""
-    path = run_dir / "checkpoints" / "last.ckpt"
+    path = run_dir / CHECKPOINT
     return read_checkpoint(path)[0] if path.exists() else 0
 
 
@@ -250,7 +252,8 @@ def main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
     run_dir = Path(hydra_config.runtime.output_dir)
     require_encoding(cfg, "posenc.train", run_dir)
-    if hydra_config.mode == RunMode.MULTIRUN:
+    multirun = hydra_config.mode == RunMode.MULTIRUN
+    if multirun:
         join_submitit_tasks()
         state = job_state(run_dir, to_container(cfg))
         if state.finished:
@@ -262,7 +265,21 @@ def main(cfg: DictConfig) -> None:
             if cfg.logger.kind == "wandb":
                 cfg.logger.group = cfg.logger.group or wandb_group(Path(hydra_config.sweep.dir), cfg.sweep_name)
                 cfg.logger.id = wandb_run_id(cfg.logger.group, cfg.run_name)
-    train(cfg, run_dir)
+    overrides = [o for o in hydra_config.overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
+    resume_command = (
+        " ".join(["python -m posenc.train", *overrides, "resume=last", f"hydra.run.dir={run_dir}"])
+        if not multirun
+        else f"the same sweep command again (it resumes {run_dir.name})"
+    )
+    try:
+        train(cfg, run_dir, resume_command)
+    except RunError as err:
+        if not (run_dir / CHECKPOINT).exists():
+            remove_if_only_bookkeeping(run_dir)
+        if not multirun or not (run_dir / FAILED_FILE).exists():
+            raise
+        # A diverged job of a sweep: recorded in failed.json; the sweep goes on and its report lists it apart.
+        print(f"error: {err}", file=sys.stderr)
 
 
 if __name__ == "__main__":

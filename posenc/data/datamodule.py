@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from posenc.data.cache import tokenized_splits
 from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
-from posenc.data.tokenizer import ByteTokenizer
 from posenc.data.tasks import TaskDataset
+from posenc.data.tokenizer import ByteTokenizer
 
 
 class RandomWindows(Dataset):
