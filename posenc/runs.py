@@ -21,15 +21,17 @@ import secrets
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from posenc.data.datamodule import TaskDataModule, TextDataModule
 from posenc.data.tokenizer import ByteTokenizer
 from posenc.jsonio import dumps
-from posenc.lit import LitDecoder
-from posenc.model import Decoder
+
+if TYPE_CHECKING:
+    from posenc.data.datamodule import TaskDataModule, TextDataModule
+    from posenc.lit import LitDecoder
+
+# torch, the model and Lightning are imported where they are needed: the checks and records here must stay quick
+# to import, so that a bad input is refused before the heavy libraries load.
 
 DONE_FILE = "done.json"
 FAILED_FILE = "failed.json"
@@ -37,9 +39,49 @@ RUN_FILE = "run.json"
 WANDB_ID_FILE = "wandb_id"
 CHECKPOINT = Path("checkpoints") / "last.ckpt"
 
+# Config keys that say how a run executes or where it logs, not what it trains and evaluates: a relaunch may
+# change them (a key names itself and everything under it).
+RUNTIME_KEYS = (
+    "resume",
+    "output_root",
+    "sweep_name",
+    "run_name",
+    "logger",
+    "compile",
+    "checkpoint_every_n_steps",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "data.num_workers",
+    "data.cache_dir",
+    "eval.plots",
+)
+
 
 class RunError(SystemExit):
     """A run that cannot go on as asked: the message says why and what to do (exit status 1, no traceback)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a run is
+
+
+def experiment_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config as dotted keys, without ``RUNTIME_KEYS``: what must match for a job to skip or resume."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if any(dotted == k or dotted.startswith(f"{k}.") for k in RUNTIME_KEYS):
+                continue
+            if isinstance(value, Mapping) and value:
+                walk(value, f"{dotted}.")
+            else:
+                flat[dotted] = value
+
+    walk(config, "")
+    return flat
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -67,6 +109,19 @@ def config_problems(config: Mapping[str, Any]) -> list[str]:
     lr = optim["lr"]
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
         problems.append(f"optim.lr={lr!r} must be a positive number (e.g. optim.lr=1e-3)")
+    problems += eval_problems(evaluation)
+    if not problems and model["dim"] % model["heads"]:
+        near = max(model["heads"], round(model["dim"] / model["heads"]) * model["heads"])
+        problems.append(
+            f"model.dim={model['dim']} is not divisible by model.heads={model['heads']}: "
+            f"choose a multiple, e.g. model.dim={near}"
+        )
+    return problems
+
+
+def eval_problems(evaluation: Mapping[str, Any]) -> list[str]:
+    """What is wrong with an ``eval`` config (lengths, mode, stride), one line each."""
+    problems: list[str] = []
     for key, multiples in (
         ("eval.multiples", evaluation["multiples"]),
         ("eval.passkey.multiples", (evaluation.get("passkey") or {}).get("multiples", [])),
@@ -80,26 +135,23 @@ def config_problems(config: Mapping[str, Any]) -> list[str]:
         problems.append(f"eval.mode={evaluation['mode']!r} must be nonoverlap or sliding")
     elif evaluation["mode"] == "sliding" and (not _whole(evaluation.get("stride")) or evaluation["stride"] < 1):
         problems.append(f"eval.mode=sliding needs eval.stride ≥ 1, got {evaluation.get('stride')!r}")
-    if not problems and model["dim"] % model["heads"]:
-        near = max(model["heads"], round(model["dim"] / model["heads"]) * model["heads"])
-        problems.append(
-            f"model.dim={model['dim']} is not divisible by model.heads={model['heads']}: "
-            f"choose a multiple, e.g. model.dim={near}"
-        )
     return problems
 
 
 def check_model(config: Mapping[str, Any]) -> None:
     """Build the model on the meta device (no memory, no time) so that a scheme refuses its options up front."""
+    import torch
+
+    from posenc.model import Decoder
+
     model_cfg, seq_len = config["model"], config["data"]["seq_len"]
+    kwargs = {"encoding": config["encoding"], "vocab_size": ByteTokenizer.vocab_size, **model_cfg}
     try:
-        with torch.device("meta"):
-            model = Decoder(
-                encoding=config["encoding"],
-                vocab_size=ByteTokenizer.vocab_size,
-                attention=config["attention"]["name"],
-                **model_cfg,
-            )
+        try:
+            with torch.device("meta"):
+                model = Decoder(attention=config["attention"]["name"], **kwargs)
+        except (NotImplementedError, RuntimeError):  # a scheme that reads tensor values while it builds
+            model = Decoder(attention=config["attention"]["name"], **kwargs)
     except (ValueError, TypeError) as err:
         raise RunError(f"invalid encoding/model settings: {err}") from None
     limits = [m.max_positions for m in model.modules() if getattr(m, "max_positions", None) is not None]
@@ -112,6 +164,8 @@ def check_model(config: Mapping[str, Any]) -> None:
 
 def check_device(config: Mapping[str, Any]) -> None:
     """FlexAttention has no CPU backward: training with ``attention=flex`` needs a CUDA GPU."""
+    import torch
+
     attention, accelerator = config["attention"]["name"], config["trainer"]["accelerator"]
     on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
     if attention == "flex" and not on_gpu:
@@ -151,6 +205,8 @@ def check_data(datamodule: TextDataModule | TaskDataModule) -> dict[str, Any]:
 
 def build_datamodule(config: Mapping[str, Any], num_samples: int) -> TextDataModule | TaskDataModule:
     """The data module a ``data`` config describes: a synthetic ``task`` or a text ``corpus``."""
+    from posenc.data.datamodule import TaskDataModule, TextDataModule
+
     data = config["data"]
     common = {
         "seq_len": data["seq_len"],
@@ -187,12 +243,14 @@ def run_info(config: Mapping[str, Any], label: str, data_info: dict[str, Any]) -
 
 def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
     """A Lightning checkpoint's contents; a truncated or foreign file fails with one line naming it."""
+    import torch
+
     try:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
         raise RunError(
-            f"{path} cannot be read as a checkpoint ({type(err).__name__}: {str(err).splitlines()[0][:120]}): it is "
-            "truncated or not a checkpoint; delete it (a run then starts afresh) or point at another checkpoint"
+            f"{path} cannot be read as a checkpoint ({type(err).__name__}): it is truncated or not a checkpoint; "
+            "delete it (a run then starts afresh) or point at another checkpoint"
         ) from None
 
 
@@ -208,6 +266,8 @@ def load_module(
     checkpoint: Path, device: str, attention: str | None, compile_setting: str | bool | None = None
 ) -> tuple[LitDecoder, dict[str, Any]]:
     """The trained module and its config from a checkpoint (optionally with another attention backend)."""
+    from posenc.lit import LitDecoder
+
     state = load_checkpoint(checkpoint)
     try:
         hparams = state["hyper_parameters"]

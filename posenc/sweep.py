@@ -44,29 +44,13 @@ from posenc.runs import (
     CHECKPOINT,
     DONE_FILE,
     FAILED_FILE,
+    experiment_settings,
     read_checkpoint,
     read_json,
     write_json,
 )
 
 SWEEP_FILE = "sweep.json"
-# Config keys that say how a run executes or where it logs, not what it trains and evaluates: a relaunch may
-# change them (a key names itself and everything under it).
-RUNTIME_KEYS = (
-    "resume",
-    "output_root",
-    "sweep_name",
-    "run_name",
-    "logger",
-    "compile",
-    "checkpoint_every_n_steps",
-    "trainer.enable_progress_bar",
-    "trainer.enable_model_summary",
-    "trainer.log_every_n_steps",
-    "data.num_workers",
-    "data.cache_dir",
-    "eval.plots",
-)
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 # Launchers that run a job as one task per device (SLURM's model): Lightning joins the tasks, starts nothing.
 TASK_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.",)
@@ -78,24 +62,6 @@ class SweepError(SystemExit):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Job state: finished, interrupted, new
-
-
-def experiment_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config as dotted keys, without ``RUNTIME_KEYS``: what must match for a job to skip or resume."""
-    flat: dict[str, Any] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            dotted = f"{prefix}{key}"
-            if any(dotted == k or dotted.startswith(f"{k}.") for k in RUNTIME_KEYS):
-                continue
-            if isinstance(value, Mapping) and value:
-                walk(value, f"{dotted}.")
-            else:
-                flat[dotted] = value
-
-    walk(config, "")
-    return flat
 
 
 def setting_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

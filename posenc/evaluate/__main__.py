@@ -16,12 +16,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import CONF_DIR, to_container
-from posenc.evaluate.runner import evaluate_model, print_results, replace_outputs
 from posenc.runs import (
     RunError,
     build_datamodule,
     check_data,
-    config_problems,
+    eval_problems,
     load_module,
     run_info,
     update_run_summary,
@@ -85,12 +84,14 @@ def _plain(value: Any) -> Any:
 def _main(cfg: DictConfig) -> None:
     checkpoint, run_dir = resolve_checkpoint(cfg.target)
     eval_cfg = to_container(cfg.eval)
+    problems = eval_problems(eval_cfg)
+    if problems:
+        raise RunError("; ".join(problems))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     module, config = load_module(checkpoint, device, cfg.attention, cfg.compile)
     check_consistency(config, run_dir, cfg)
-    problems = [p for p in config_problems({**config, "eval": eval_cfg}) if p.startswith("eval.")]
-    if problems:
-        raise RunError("; ".join(problems))
+    from posenc.evaluate.runner import evaluate_model, print_results, replace_outputs
+
     task = config["data"].get("task")
     datamodule = build_datamodule(config, num_samples=1)
     data_info = check_data(datamodule)

@@ -20,12 +20,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from torch import nn
 
+from posenc.evaluate import RESULTS_FILE
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.jsonio import dumps
-
-RESULTS_FILE = "results.json"
 
 
 def supported(lengths: list[int], model: nn.Module) -> list[int]:
