@@ -11,9 +11,12 @@ do, and leaves no run directory behind. The training loop itself is ``posenc/tra
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -41,8 +44,44 @@ def _example(key: str) -> str:
     return "data.corpus_options.paths=[notes.txt]" if key.endswith("paths") else f"{key}=..."
 
 
+class _Tee(io.TextIOBase):
+    """A console stream that also writes into the run's ``train.log``."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        if not self.log.closed:  # a handler may keep this stream after the run (the next job of a multirun)
+            self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        if not self.log.closed:
+            self.log.flush()
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+@contextlib.contextmanager
+def console_into(path: Path) -> Iterator[None]:
+    """Copy everything the console shows (stdout and stderr) into ``path``: ``train.log`` holds the whole run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as log:
+        stdout, stderr = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(stdout, log), _Tee(stderr, log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = stdout, stderr
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
     run_dir = Path(hydra_config.runtime.output_dir)
     require_encoding(cfg, "posenc.train", run_dir)
@@ -66,7 +105,8 @@ def main(cfg: DictConfig) -> None:
         else f"the same sweep command again (it resumes {run_dir.name})"
     )
     try:
-        train(cfg, run_dir, resume_command)
+        with console_into(run_dir / f"{hydra_config.job.name}.log"):
+            train(cfg, run_dir, resume_command)
     except RunError as err:
         if not (run_dir / CHECKPOINT).exists():
             remove_if_only_bookkeeping(run_dir)
@@ -74,6 +114,25 @@ def main(cfg: DictConfig) -> None:
             raise
         # A diverged job of a sweep: recorded in failed.json; the sweep goes on and its report lists it apart.
         print(f"error: {err}", file=sys.stderr)
+
+
+def main() -> None:
+    """Run from any directory: a relative ``-cd``/``--config-dir`` that is not here names the repository's."""
+    args = sys.argv[1:]
+    for index, arg in enumerate(args):
+        if arg in ("-cd", "--config-dir") and index + 1 < len(args):
+            args[index + 1] = _config_dir(args[index + 1])
+        elif arg.startswith(("-cd=", "--config-dir=")):
+            flag, _, value = arg.partition("=")
+            args[index] = f"{flag}={_config_dir(value)}"
+    sys.argv = [sys.argv[0], *args]
+    _main()
+
+
+def _config_dir(value: str) -> str:
+    path = Path(value).expanduser()
+    bundled = CONF_DIR.parent / value
+    return str(bundled) if not path.is_absolute() and not path.is_dir() and bundled.is_dir() else value
 
 
 if __name__ == "__main__":

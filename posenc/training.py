@@ -152,7 +152,9 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
     seq_len = config["data"]["seq_len"]
     tags = [label, f"L{seq_len}", f"seed{config['seed']}", *module.model.scheme_names]
     logged_config = {**config, "label": label, "data_info": data_info}
-    loggers = build_loggers(config["logger"], run_dir, config["run_name"], logged_config, tags)
+    loggers = build_loggers(
+        config["logger"], run_dir, config["run_name"], logged_config, tags, resume_step if resume else None
+    )
     callbacks: list[Callback] = [
         ModelCheckpoint(
             dirpath=run_dir / "checkpoints",
