@@ -75,7 +75,7 @@ def identity(result: Mapping[str, Any]) -> dict[str, Any]:
         settings = {
             key: value
             for key, value in experiment_settings(config).items()
-            if not any(key == k or key.startswith(f"{k}.") for k in NOT_IDENTITY)
+            if not any(key == k or key.startswith(f"{k}.") for k in NOT_IDENTITY) and value != {}
         }
     else:
         settings["encoding"] = result.get("label")
