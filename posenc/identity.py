@@ -125,8 +125,13 @@ def columns(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             out[label] = group
             continue
         differing = [key for key in keys if len({repr(one[key]) for one, _ in identities.values()}) > 1]
+        # The column with most runs is named by its values of the differing keys; every other column only by
+        # what it changes from that one (``alibi · max_steps=40`` next to ``alibi · max_steps=30``).
+        base = max(identities.values(), key=lambda item: len(item[1]))[0]
         for one, members in identities.values():
-            name = f"{label}{SEPARATOR}{_suffix(one, differing)}"
+            keys = differing if one is base else [key for key in differing if one[key] != base[key]]
+            keys = [key for key in keys if one[key] != UNSET] or keys
+            name = f"{label}{SEPARATOR}{_suffix(one, keys)}"
             while name in out:  # two identities that read the same once shortened
                 name += "′"
             out[name] = members

@@ -389,10 +389,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("give run/sweep directories, or --wandb ENTITY/PROJECT")
     unreadable: list[str] = []
     results = find_results(args.paths, unreadable)
-    for problem in unreadable:
-        print(f"skipped unreadable {problem}", file=sys.stderr)
     if not results and unreadable:
         raise SystemExit(f"no readable results: {unreadable[0]}. Re-run `python -m posenc.evaluate <run>` for it")
+    for problem in unreadable:
+        print(f"skipped unreadable {problem}", file=sys.stderr)
     if args.wandb:
         results += results_from_wandb(args.wandb, args.group)
     first = Path(args.paths[0]) if args.paths else None
