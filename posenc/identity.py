@@ -28,6 +28,8 @@ from posenc.runs import DONE_FILE, experiment_settings, read_json
 NOT_IDENTITY = ("seed", "data.corpus_options.paths", "eval", "label", "data_info")
 # Evaluation settings that change how, not what, is computed.
 EVAL_RUNTIME = ("plots", "at_end", "tokens_per_batch")
+# What every results.json holds besides settings: identity, figures, bookkeeping.
+RESULT_FIELDS = {"label", "train_len", "seed", "encoding", "model", "data", "run_name", "config", "eval", "summary"}
 SEPARATOR = " · "
 UNSET = "(unset)"
 
@@ -84,6 +86,15 @@ def identity(result: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in experiment_settings(result.get("eval") or {}).items():
         if key.split(".")[0] not in EVAL_RUNTIME:
             settings[f"eval.{key}"] = value
+    # Evaluation-time options recorded beside the run info (e.g. a RoPE scaling applied at evaluation): scalars,
+    # and mappings named for evaluation; figures (lists, the summary) never are settings.
+    for key, value in result.items():
+        if key in RESULT_FIELDS or key.startswith("_"):
+            continue
+        if isinstance(value, str | int | float | bool) or value is None:
+            settings[f"run.{key}"] = value
+        elif isinstance(value, Mapping) and "eval" in key:
+            settings.update({f"run.{key}.{k}": v for k, v in experiment_settings(value).items()})
     return settings
 
 

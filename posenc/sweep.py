@@ -47,6 +47,7 @@ from posenc.runs import (
     experiment_settings,
     read_checkpoint,
     read_json,
+    validate,
     write_json,
 )
 
@@ -268,8 +269,9 @@ class SweepPreflight(Callback):
                     )
                 dirs[run_dir] = overrides
                 try:
+                    validate(to_container(task_config))  # a job that cannot run stops the sweep before any starts
                     states.append(job_state(run_dir, to_container(task_config)))
-                except SystemExit as error:  # a damaged checkpoint or record: name the job
+                except SystemExit as error:  # a bad value, a damaged checkpoint or record: name the job
                     raise SweepError(f"job {' '.join(overrides)} ({run_dir}): {error}") from None
         finally:
             hydra_config.cfg = previous

@@ -82,11 +82,16 @@ def test_report_pools_only_runs_that_differ_in_their_seed(tmp_path: Path) -> Non
     _result(tmp_path / "short", _config(0, max_steps=30), 30.0)
     _result(tmp_path / "text", _config(0, corpus="text"), 50.0, fingerprint="text-fp")
     _result(tmp_path / "yarn", _config(0), 20.0, rope_scaling="yarn")
+    _result(tmp_path / "factor", _config(0), 25.0)
+    recorded = json.loads((tmp_path / "factor" / "eval" / "results.json").read_text())
+    recorded["rope_scaling_factor"] = 8  # an evaluation-time option recorded beside the run info
+    (tmp_path / "factor" / "eval" / "results.json").write_text(json.dumps(recorded))
     markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=False)
     header = _header(markdown)
     assert "| alibi (n=2) |" not in header  # the four configurations are never one column
     columns = [cell.strip() for cell in header.strip("|").split("|")[2:]]
-    assert len(columns) == 4, columns
+    assert len(columns) == 5, columns
+    assert any("rope_scaling_factor=8" in c for c in columns), columns
     assert any("max_steps=40" in c and "(n=2)" in c for c in columns), columns
     assert any("max_steps=30" in c and "(n=1)" in c for c in columns), columns
     assert any("data=text" in c for c in columns), columns
