@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,7 +101,7 @@ def _main(cfg: DictConfig) -> None:
                 cfg.logger.id = wandb_run_id(cfg.logger.group, cfg.run_name)
     overrides = [o for o in hydra_config.overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
     resume_command = (
-        " ".join(["python -m posenc.train", *overrides, "resume=last", f"hydra.run.dir={run_dir}"])
+        shlex.join(["python", "-m", "posenc.train", *overrides, "resume=last", f"hydra.run.dir={run_dir}"])
         if not multirun
         else f"the same sweep command again (it resumes {run_dir.name})"
     )
