@@ -254,3 +254,13 @@ def test_learned_reevaluated_from_its_own_directory_replaces_eval_and_run_json(t
     results = json.loads((run_dir / "eval" / "results.json").read_text())
     assert [row["length"] for row in results["perplexity"]] == [16]
     assert set(json.loads((run_dir / "run.json").read_text())["eval"]) == {"ppl@1x", "bpb@1x", "ppl_ratio@1x"}
+
+
+def test_sweep_configs_are_found_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from posenc.config import CONF_DIR
+    from posenc.train import _config_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert _config_dir("sweeps") == str(CONF_DIR.parent / "sweeps")  # `-cd sweeps` outside the repository
+    (tmp_path / "sweeps").mkdir()
+    assert _config_dir("sweeps") == "sweeps"  # a directory of that name here wins
