@@ -40,13 +40,14 @@ def require_encoding(cfg: DictConfig, command: str, run_dir: Path | None = None)
     """
     if OmegaConf.select(cfg, "encoding") is None:
         if run_dir is not None:
-            _remove_bookkeeping_only(run_dir)
+            remove_if_only_bookkeeping(run_dir)
         raise SystemExit(
             f"{command} needs a positional scheme: add +encoding=<name>, one of: {', '.join(encoding_choices())}"
         )
 
 
-def _remove_bookkeeping_only(run_dir: Path) -> None:
+def remove_if_only_bookkeeping(run_dir: Path) -> None:
+    """Remove a run directory (and parents left empty) that holds nothing but Hydra's bookkeeping."""
     if not run_dir.is_dir() or any(p.name not in (".hydra", "train.log") for p in run_dir.iterdir()):
         return
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -18,6 +18,14 @@ from posenc.encodings.base import PositionalEncoding
 from posenc.model import Decoder
 
 
+class DivergedError(RuntimeError):
+    """The loss or a gradient stopped being finite: training cannot recover, so the run stops at that step."""
+
+    def __init__(self, step: int, what: str) -> None:
+        super().__init__(f"{what} at step {step}")
+        self.step = step
+
+
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier: linear warmup from ~0 to 1, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
     if step < warmup_steps:
@@ -47,8 +55,17 @@ class LitDecoder(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, targets = batch
         loss = self.model.loss(inputs, targets)
+        if not torch.isfinite(loss):
+            raise DivergedError(self.global_step, f"the training loss became {loss.item()}")
         self.log_dict({"train/loss": loss, "train/ppl": loss.exp()}, prog_bar=True)
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # A finite loss can still give an infinite gradient; stepping on it would write NaN weights into the
+        # next checkpoint, so the last checkpoint on disk stays the last good one.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads and not torch.stack([g.isfinite().all() for g in grads]).all():
+            raise DivergedError(self.global_step, "a gradient became non-finite")
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, targets = batch

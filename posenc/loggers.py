@@ -12,6 +12,7 @@ Only rank zero talks to W&B.
 
 from __future__ import annotations
 
+import csv
 import netrc
 import os
 import socket
@@ -21,7 +22,7 @@ from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from posenc.sweep import global_rank
+from posenc.runs import global_rank
 
 
 def _api_key_configured() -> bool:
@@ -53,17 +54,56 @@ def resolve_wandb_mode(requested: str) -> str:
     return "online" if _api_key_configured() and _reachable(base_url) else "offline"
 
 
+class ResumedCSVLogger(CSVLogger):
+    """A CSV logger that continues ``metrics.csv`` instead of replacing it (Lightning's deletes it on start).
+
+    Rows from step ``resume_step`` on are dropped first: the resumed run logs those steps again.
+    """
+
+    def __init__(self, *args: Any, resume_step: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resume_step = resume_step
+
+    @property
+    def experiment(self) -> Any:
+        if self._experiment is not None:
+            return self._experiment
+        path = Path(self.log_dir) / "metrics.csv"
+        rows, header = [], []
+        if path.is_file():
+            with path.open(newline="") as handle:
+                reader = csv.DictReader(handle)
+                header = list(reader.fieldnames or [])
+                rows = [row for row in reader if not row.get("step") or int(float(row["step"])) < self.resume_step]
+        writer = super().experiment  # creates the writer, which deletes metrics.csv
+        if header:
+            with path.open("w", newline="") as handle:
+                out = csv.DictWriter(handle, fieldnames=header)
+                out.writeheader()
+                out.writerows(rows)
+            writer.metrics_keys = header
+        return writer
+
+
 def build_loggers(
-    cfg: dict[str, Any], run_dir: Path, run_name: str, config: dict[str, Any], tags: list[str]
+    cfg: dict[str, Any],
+    run_dir: Path,
+    run_name: str,
+    config: dict[str, Any],
+    tags: list[str],
+    resume_step: int | None = None,
 ) -> list[Logger]:
     """The loggers the run asked for; ``tags`` (scheme, length, seed) are added to W&B's.
 
-    For W&B, ``cfg`` may carry ``group`` (a sweep's) and ``id`` (a run id to continue when it exists).
+    For W&B, ``cfg`` may carry ``group`` (a sweep's) and ``id`` (a run id to continue when it exists). A resumed
+    run (``resume_step``) continues its CSV metrics.
     """
     kind = cfg.get("kind", "none")
     if kind == "none":
         return []
     if kind == "csv":
+        if resume_step is not None:
+            return [ResumedCSVLogger(save_dir=str(run_dir), name="csv", version="", resume_step=resume_step)]
         return [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
     if kind == "wandb":
         from lightning.pytorch.loggers import WandbLogger

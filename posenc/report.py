@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -21,22 +22,41 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from posenc.evaluate.plots import plot_lines, smooth
-from posenc.evaluate.runner import RESULTS_FILE
+from posenc.evaluate import RESULTS_FILE
+from posenc.identity import columns
+from posenc.runs import FAILED_FILE
 
 Key = tuple[int, str, int | None]  # (train_len, mode, stride)
 
 
-def find_results(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
-    """Load every results.json under ``paths`` (files or directories, searched recursively)."""
+def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = None) -> list[dict[str, Any]]:
+    """Load every results.json under ``paths`` (files or directories, searched recursively), and every failed run.
+
+    A failed run (``failed.json``: it stopped on a non-finite loss) comes back as ``{"failed": reason, ...}`` and is
+    listed apart, never pooled. A file that cannot be read is skipped and named in ``unreadable``.
+    """
     found: list[dict[str, Any]] = []
     for raw in paths:
         path = Path(raw)
         files = [path] if path.is_file() else sorted(path.rglob(RESULTS_FILE))
         for file in files:
-            data = json.loads(file.read_text())
+            try:
+                data = json.loads(file.read_text())
+                if not isinstance(data, dict) or "label" not in data or "train_len" not in data:
+                    raise ValueError("not a posenc results file")
+            except (OSError, UnicodeDecodeError, ValueError) as err:
+                if unreadable is not None:
+                    unreadable.append(f"{file}: {err}")
+                continue
             data["_source"] = str(file)
             found.append(data)
+        for file in [] if path.is_file() else sorted(path.rglob(FAILED_FILE)):
+            try:
+                record = json.loads(file.read_text())
+                found.append({"failed": record["reason"], "run_name": record["run_name"], "_source": str(file)})
+            except (OSError, UnicodeDecodeError, ValueError, KeyError) as err:
+                if unreadable is not None:
+                    unreadable.append(f"{file}: {err}")
     return found
 
 
@@ -59,21 +79,26 @@ def _order(labels: Iterable[str]) -> list[str]:
     from posenc.encodings import available
 
     known = available()
-    return sorted(
-        set(labels), key=lambda label: (label not in known, known.index(label) if label in known else 0, label)
-    )
+
+    def key(label: str) -> tuple[bool, int, str]:
+        scheme = label.split(" · ")[0]
+        return scheme not in known, known.index(scheme) if scheme in known else 0, label
+
+    return sorted(set(labels), key=key)
 
 
 def group_runs(results: list[dict[str, Any]]) -> dict[Key, dict[str, list[dict[str, Any]]]]:
-    """{(train_len, mode, stride): {label: [run results…]}} for language-modelling results."""
-    groups: dict[Key, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    """{(train_len, mode, stride): {column: [run results…]}} for language-modelling results.
+
+    A column pools runs of one identity (``posenc.identity``): same settings but the seed.
+    """
+    by_key: dict[Key, list[dict[str, Any]]] = defaultdict(list)
     for result in results:
         rows = result.get("perplexity") or []
-        if not rows:
+        if not rows or result.get("failed"):
             continue
-        key = (int(result["train_len"]), rows[0]["mode"], rows[0]["stride"])
-        groups[key][result["label"]].append(result)
-    return groups
+        by_key[(int(result["train_len"]), rows[0]["mode"], rows[0]["stride"])].append(result)
+    return {key: columns(runs) for key, runs in by_key.items()}
 
 
 def perplexity_tables(key: Key, by_label: dict[str, list[dict[str, Any]]]) -> str:
@@ -88,7 +113,8 @@ def perplexity_tables(key: Key, by_label: dict[str, list[dict[str, Any]]]) -> st
         f"## Trained at L={train_len} — {how}",
         "",
         f"Perplexity on held-out text, mean ± std over seeds; {', '.join(map(str, tokens))} tokens scored at every "
-        "length (the same tokens), so lengths are comparable.",
+        "length (the same tokens), so lengths are comparable. Each column pools runs whose settings differ only in "
+        "their seed (n runs); runs that differ in anything else are separate columns named by the difference.",
         "",
         header,
         rule,
@@ -118,17 +144,15 @@ def task_tables(results: list[dict[str, Any]]) -> str:
     """Passkey (mean over depths) and copy accuracy by length, per training length."""
     out = []
     for task in ("passkey", "copy"):
-        runs = [r for r in results if r.get(task)]
-        by_len: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-        for run in runs:
-            by_len[int(run["train_len"])][run["label"]].append(run)
+        by_len = _task_columns(results, task)
         for train_len, by_label in sorted(by_len.items()):
             labels = _order(by_label)
             lengths = sorted({row["length"] for runs_ in by_label.values() for run in runs_ for row in run[task]})
             out += [
                 f"## {task} accuracy, trained at L={train_len}",
                 "",
-                "Exact-match accuracy (passkey: mean over key depths), mean ± std over seeds.",
+                "Exact-match accuracy (passkey: mean over key depths), mean ± std over seeds (runs that differ only "
+                "in their seed).",
                 "",
                 "| length | ×L | " + " | ".join(f"{label} (n={len(by_label[label])})" for label in labels) + " |",
                 "|---:|---:|" + "---:|" * len(labels),
@@ -140,6 +164,15 @@ def task_tables(results: list[dict[str, Any]]) -> str:
             if task == "passkey":
                 out += _depth_table(by_label, labels, max(lengths), train_len)
     return "\n".join(out)
+
+
+def _task_columns(results: list[dict[str, Any]], task: str) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    """{train_len: {column: runs}} for the runs scored on ``task``."""
+    by_len: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for run in results:
+        if run.get(task) and not run.get("failed"):
+            by_len[int(run["train_len"])].append(run)
+    return {train_len: columns(runs) for train_len, runs in by_len.items()}
 
 
 def _task_accuracies(runs: list[dict[str, Any]], task: str, length: int, depth: float | None = None) -> list[float]:
@@ -173,13 +206,11 @@ def _depth_table(
 
 def task_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """Accuracy vs length, one line per scheme, per task and training length."""
+    from posenc.evaluate.plots import plot_lines  # matplotlib only when plotting
+
     images = []
     for task in ("passkey", "copy"):
-        by_len: dict[int, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
-        for run in results:
-            if run.get(task):
-                by_len[int(run["train_len"])][run["label"]].append(run)
-        for train_len, by_label in sorted(by_len.items()):
+        for train_len, by_label in sorted(_task_columns(results, task).items()):
             series = {}
             for label in _order(by_label):
                 lengths = sorted({row["length"] for run in by_label[label] for row in run[task]})
@@ -200,6 +231,8 @@ def task_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 def plots(groups: dict[Key, dict[str, list[dict[str, Any]]]], out_dir: Path) -> list[Path]:
     """Per group: perplexity vs length, ratio vs length, loss by position (one line per scheme)."""
+    from posenc.evaluate.plots import plot_lines, smooth  # matplotlib only when plotting
+
     images = []
     for (train_len, mode, stride), by_label in sorted(groups.items(), key=lambda item: str(item[0])):
         suffix = f"L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
@@ -250,9 +283,21 @@ def build_report(results: list[dict[str, Any]], out_dir: Path, make_plots: bool 
     """Write report.md (and plots) to ``out_dir``; return the markdown."""
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
+    for run in results:  # an older run that diverged without stopping: no finite perplexity at any length
+        rows = run.get("perplexity") or []
+        if rows and not run.get("failed") and all(r["ppl"] is None and r["error"] is None for r in rows):
+            run["failed"] = "no finite perplexity at any length (the run diverged)"
+            run.setdefault("run_name", run["label"])
+    failed = [r for r in results if r.get("failed")]
+    results = [r for r in results if not r.get("failed")]
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(results)
     sections = ["# posenc extrapolation report", "", f"{len(results)} evaluated run(s)."]
+    if failed:
+        sections += ["", f"## Failed runs ({len(failed)}, not counted in any column)", ""]
+        sections += [
+            f"- {run['run_name']}: {run['failed']} ({Path(run.get('_source', 'W&B')).parent})" for run in failed
+        ]
     for key, by_label in sorted(groups.items(), key=lambda item: str(item[0])):
         sections += ["", perplexity_tables(key, by_label)]
     tasks = task_tables(results)
@@ -324,6 +369,12 @@ class ReportOnSweepEnd(Callback):
             return
         print(build_report(results, sweep_dir))
         print(f"wrote {sweep_dir / 'report.md'}")
+        failed = [run["run_name"] for run in results if run.get("failed")]
+        if failed:  # the sweep ran every job, but it did not succeed: say so in the exit status
+            raise SystemExit(
+                f"{len(failed)} job(s) of this sweep failed ({', '.join(failed)}): see failed.json in their "
+                "directories; relaunching the sweep retries them"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -336,7 +387,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.paths and not args.wandb:
         parser.error("give run/sweep directories, or --wandb ENTITY/PROJECT")
-    results = find_results(args.paths)
+    unreadable: list[str] = []
+    results = find_results(args.paths, unreadable)
+    if not results and unreadable:
+        raise SystemExit(f"no readable results: {unreadable[0]}. Re-run `python -m posenc.evaluate <run>` for it")
+    for problem in unreadable:
+        print(f"skipped unreadable {problem}", file=sys.stderr)
     if args.wandb:
         results += results_from_wandb(args.wandb, args.group)
     first = Path(args.paths[0]) if args.paths else None

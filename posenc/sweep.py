@@ -40,28 +40,18 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from posenc.config import require_encoding, to_container
-from posenc.jsonio import dumps
-
-DONE_FILE = "done.json"
-SWEEP_FILE = "sweep.json"
-CHECKPOINT = Path("checkpoints") / "last.ckpt"
-# Config keys that say how a run executes or where it logs, not what it trains and evaluates: a relaunch may
-# change them (a key names itself and everything under it).
-RUNTIME_KEYS = (
-    "resume",
-    "output_root",
-    "sweep_name",
-    "run_name",
-    "logger",
-    "compile",
-    "checkpoint_every_n_steps",
-    "trainer.enable_progress_bar",
-    "trainer.enable_model_summary",
-    "trainer.log_every_n_steps",
-    "data.num_workers",
-    "data.cache_dir",
-    "eval.plots",
+from posenc.runs import (
+    CHECKPOINT,
+    DONE_FILE,
+    FAILED_FILE,
+    experiment_settings,
+    read_checkpoint,
+    read_json,
+    validate,
+    write_json,
 )
+
+SWEEP_FILE = "sweep.json"
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 # Launchers that run a job as one task per device (SLURM's model): Lightning joins the tasks, starts nothing.
 TASK_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.",)
@@ -75,24 +65,6 @@ class SweepError(SystemExit):
 # Job state: finished, interrupted, new
 
 
-def experiment_settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config as dotted keys, without ``RUNTIME_KEYS``: what must match for a job to skip or resume."""
-    flat: dict[str, Any] = {}
-
-    def walk(node: Mapping[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            dotted = f"{prefix}{key}"
-            if any(dotted == k or dotted.startswith(f"{k}.") for k in RUNTIME_KEYS):
-                continue
-            if isinstance(value, Mapping) and value:
-                walk(value, f"{dotted}.")
-            else:
-                flat[dotted] = value
-
-    walk(config, "")
-    return flat
-
-
 def setting_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """``key: old -> new`` for every experiment setting that differs between two configs."""
     old, new = experiment_settings(before), experiment_settings(now)
@@ -104,14 +76,6 @@ def setting_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[s
     ]
 
 
-def read_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
-    """(global step, training config) of a Lightning checkpoint, without reading its tensors (mmap)."""
-    import torch
-
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    return int(state["global_step"]), dict(state.get("hyper_parameters", {}).get("config", {}))
-
-
 @dataclass(frozen=True)
 class JobState:
     """What a relaunched job finds in its directory."""
@@ -120,25 +84,29 @@ class JobState:
     finished: bool = False
     checkpoint: Path | None = None  # set when the job resumes
     step: int = 0  # the checkpoint's global step
+    failed: str | None = None  # why an earlier attempt stopped (failed.json): the job is retried
 
     @property
     def action(self) -> str:
         if self.finished:
             return "finished"
-        return f"resume from step {self.step}" if self.checkpoint else "new"
+        action = f"resume from step {self.step}" if self.checkpoint else "new"
+        return f"failed earlier ({self.failed}); retrying: {action}" if self.failed else action
 
 
 def job_state(run_dir: Path, config: Mapping[str, Any]) -> JobState:
     """Finished (``done.json``), interrupted (a last checkpoint) or new; ``SweepError`` on changed settings."""
-    done, checkpoint = run_dir / DONE_FILE, run_dir / CHECKPOINT
+    done, checkpoint, failed = run_dir / DONE_FILE, run_dir / CHECKPOINT, run_dir / FAILED_FILE
+    reason = read_json(failed).get("reason") if failed.exists() else None
     if done.exists():
-        earlier, what = json.loads(done.read_text())["config"], "finished"
+        earlier, what = read_json(done)["config"], "finished"
         state = JobState(run_dir, finished=True)
     elif checkpoint.exists():
         step, earlier = read_checkpoint(checkpoint)
-        what, state = f"was interrupted at step {step}", JobState(run_dir, checkpoint=checkpoint, step=step)
+        what = f"was interrupted at step {step}"
+        state = JobState(run_dir, checkpoint=checkpoint, step=step, failed=reason)
     else:
-        return JobState(run_dir)
+        return JobState(run_dir, failed=reason)
     changes = setting_changes(earlier, config)
     if changes:
         raise SweepError(
@@ -147,12 +115,6 @@ def job_state(run_dir: Path, config: Mapping[str, Any]) -> JobState:
             "job's directory to run it again."
         )
     return state
-
-
-def write_done(run_dir: Path, config: Mapping[str, Any], steps: int) -> None:
-    """Mark a run complete; call it last. Atomic (write, then rename): a killed job leaves no marker."""
-    record = {"run_name": config.get("run_name"), "finished_at": _now(), "steps": steps, "config": config}
-    _write_json(run_dir / DONE_FILE, record)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,14 +194,6 @@ def join_submitit_tasks() -> None:
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
-def global_rank() -> int:
-    """The rank of this process from the launcher's variables (0 outside distributed runs), before Lightning."""
-    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The sweep: W&B group, preflight
 
@@ -291,7 +245,8 @@ class SweepPreflight(Callback):
             resumed = [state for state in states if state.checkpoint is not None]
             new = len(states) - finished - len(resumed)
             summary += f": {len(states)} jobs, {new} new, {len(resumed)} to resume, {finished} finished (skipped)"
-            summary += "".join(f"\n  {state.run_dir.name}: {state.action}" for state in resumed)
+            noted = [state for state in states if state.checkpoint is not None or state.failed]
+            summary += "".join(f"\n  {state.run_dir.name}: {state.action}" for state in noted)
         print(summary)
 
     def _job_states(self, config: DictConfig) -> list[JobState]:
@@ -313,7 +268,11 @@ class SweepPreflight(Callback):
                         "to it, e.g. hydra.sweep.subdir='${run_name}-${hydra:runtime.choices.model}'."
                     )
                 dirs[run_dir] = overrides
-                states.append(job_state(run_dir, to_container(task_config)))
+                try:
+                    validate(to_container(task_config))  # a job that cannot run stops the sweep before any starts
+                    states.append(job_state(run_dir, to_container(task_config)))
+                except SystemExit as error:  # a bad value, a damaged checkpoint or record: name the job
+                    raise SweepError(f"job {' '.join(overrides)} ({run_dir}): {error}") from None
         finally:
             hydra_config.cfg = previous
         return states
@@ -324,16 +283,5 @@ def _record_launch(sweep_dir: Path, name: str, overrides: list[str]) -> dict[str
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     record = json.loads(path.read_text()) if path.exists() else {"name": name, "group": f"{name}-{stamp}"}
     record.setdefault("launches", []).append({"time": stamp, "overrides": overrides})
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(path, record)
+    write_json(path, record)
     return record
-
-
-def _write_json(path: Path, data: Any) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(dumps(data))
-    partial.replace(path)
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -4,253 +4,90 @@ Hydra composes the config (``conf/train.yaml``), Lightning trains, and the run e
 evaluation (perplexity at 1×…32× the training length, printed and written to ``<run>/eval``). Everything a
 run writes lands in its directory under ``outputs/``: the resolved config, checkpoints, logs, ``run.json``, and
 last ``done.json``, the mark of a complete run. ``-m`` runs a sweep (``sweeps/``, ``posenc/sweep.py``).
+
+Every value is checked before any work (``posenc.runs.validate``): a bad input ends with one line saying what to
+do, and leaves no run directory behind. The training loop itself is ``posenc/training.py``.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import time
-import warnings
+import contextlib
+import io
+import shlex
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import hydra
-import lightning as L
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, MissingMandatoryValue, open_dict
 
-from posenc.config import CONF_DIR, require_encoding, to_container
-from posenc.data.datamodule import TaskDataModule, TextDataModule
-from posenc.evaluate.runner import RESULTS_FILE, ExtrapolationEval
-from posenc.jsonio import dumps
-from posenc.lit import LitDecoder
-from posenc.loggers import build_loggers, finish_loggers
-from posenc.sweep import (
-    DONE_FILE,
-    job_state,
-    join_submitit_tasks,
-    read_checkpoint,
-    wandb_group,
-    wandb_run_id,
-    write_done,
-)
-
-# Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
-# training windows are numbered, and a resumed run starts after those it trained on (TokenAccounting).
-warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+from posenc.config import CONF_DIR, remove_if_only_bookkeeping, require_encoding, to_container
+from posenc.runs import CHECKPOINT, DONE_FILE, FAILED_FILE, RunError, validate
+from posenc.sweep import job_state, join_submitit_tasks, wandb_group, wandb_run_id
 
 
-def resolve_precision(requested: str, accelerator: str) -> str:
-    """``auto`` → bf16-mixed where a CUDA GPU supports bf16, fp32 everywhere else (CPU bf16 is slow)."""
-    if requested != "auto":
-        return requested
-    on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
-
-
-def build_datamodule(config: dict[str, Any], num_samples: int) -> TextDataModule | TaskDataModule:
-    """The data module a ``data`` config describes: a synthetic ``task`` or a text ``corpus``."""
-    data = config["data"]
-    common = {
-        "seq_len": data["seq_len"],
-        "batch_size": data["batch_size"],
-        "num_samples": num_samples,
-        "val_windows": data.get("val_windows"),
-        "num_workers": data.get("num_workers", 0),
-        "seed": config["seed"],
-    }
-    if "task" in data:
-        return TaskDataModule(task=data["task"], **common)
-    return TextDataModule(
-        corpus=data["corpus"], corpus_options=data.get("corpus_options"), cache_dir=data["cache_dir"], **common
-    )
-
-
-def run_info(config: dict[str, Any], label: str, data_info: dict[str, Any]) -> dict[str, Any]:
-    """What identifies a run in results files and the report."""
-    return {
-        "label": label,
-        "encoding": config["encoding"],
-        "train_len": config["data"]["seq_len"],
-        "seed": config["seed"],
-        "model": config["model"],
-        "data": data_info,
-        "run_name": config["run_name"],
-    }
-
-
-class TokenAccounting(Callback):
-    """Sizes the training stream for the world Lightning resolved; logs tokens seen and tokens/s over all ranks.
-
-    ``data.batch_size`` is per device, so one optimizer step consumes ``batch_size × accumulate × world_size``
-    windows: the global batch. The world size is only known once Lightning has parsed ``devices`` (``auto``,
-    lists) and ``num_nodes``, hence ``setup``. Training windows are numbered ``(seed, start_sample + index)``; a
-    run resumed at step s starts after the s global batches it already trained on, so it sees fresh windows.
-    Tokens/s is global (steps are in lockstep across ranks) and leaves out validation time.
-    """
-
-    def __init__(self, max_steps: int, resume_step: int) -> None:
-        self.max_steps, self.resume_step = max_steps, resume_step
-        self.accounting: dict[str, int] = {}
-        self.last_step, self.last_time, self.paused_at = 0, 0.0, None
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        data = trainer.datamodule
-        self.accounting = global_batch(data.batch_size, trainer, data.seq_len)
-        # The whole run's windows, so that the epoch (all of it) ends at max_steps after a resume too.
-        data.num_samples = self.max_steps * self.accounting["global_batch_size"]
-        data.start_sample = self.resume_step * self.accounting["global_batch_size"]
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_hyperparams(self.accounting)
-            print(
-                f"{trainer.world_size} process(es) × batch {trainer.datamodule.batch_size} × accumulation "
-                f"{trainer.accumulate_grad_batches} = global batch {self.accounting['global_batch_size']} "
-                f"({self.accounting['tokens_per_step']} tokens per step)"
-                + (f"; resuming at step {self.resume_step}" if self.resume_step else "")
-            )
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.last_step, self.last_time = trainer.global_step, time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if step == self.last_step or step % trainer.log_every_n_steps:  # Lightning logs at these steps
-            return
-        now = time.perf_counter()
-        tokens_per_step = self.accounting["tokens_per_step"]
-        rate = (step - self.last_step) * tokens_per_step / max(now - self.last_time, 1e-9)
-        # Through Lightning's logging, so these share the x-axis of train/loss; rank zero's values are logged.
-        pl_module.log_dict({"train/tokens": float(step * tokens_per_step), "train/tokens_per_sec": rate})
-        self.last_step, self.last_time = step, now
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.paused_at = time.perf_counter()
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.paused_at is not None:
-            self.last_time += time.perf_counter() - self.paused_at
-            self.paused_at = None
-
-
-def global_batch(batch_size: int, trainer: L.Trainer, seq_len: int) -> dict[str, int]:
-    """What one optimizer step consumes across all ranks (recorded in run.json and the loggers)."""
-    windows = batch_size * trainer.accumulate_grad_batches * trainer.world_size
-    return {"world_size": trainer.world_size, "global_batch_size": windows, "tokens_per_step": windows * seq_len}
-
-
-def resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint ``resume`` names (``last``: this run's own), or ``None`` to start fresh."""
-    if resume is None:
-        return None
-    path = run_dir / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
-    if not path.is_file():
-        raise SystemExit(f"resume={resume}: there is no checkpoint at {path}")
-    return path
-
-
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Train one run into ``run_dir``; return its summary (also written to ``run_dir/run.json``).
-
-    Ends by writing ``run_dir/done.json`` on rank zero, after the evaluation and the loggers: a run without it
-    did not finish, which is how a relaunched sweep tells what to skip.
-    """
-    config = to_container(cfg)
-    resume = resume_checkpoint(config.get("resume"), run_dir)
-    resume_step = read_checkpoint(resume)[0] if resume is not None else 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    L.seed_everything(config["seed"], workers=True, verbose=False)
-    trainer_cfg = dict(config["trainer"])
-    trainer_cfg["precision"] = resolve_precision(trainer_cfg["precision"], trainer_cfg["accelerator"])
-    if isinstance(trainer_cfg.get("val_check_interval"), int):  # one epoch is the whole run: validate within it
-        trainer_cfg["val_check_interval"] = min(trainer_cfg["val_check_interval"], trainer_cfg["max_steps"])
-    # Sized for one process here; TokenAccounting resizes it for the world size once Lightning knows it.
-    samples = trainer_cfg["max_steps"] * config["data"]["batch_size"] * trainer_cfg["accumulate_grad_batches"]
-    datamodule = build_datamodule(config, samples)
-    data_info = datamodule.describe()
-    module = LitDecoder(config, vocab_size=datamodule.vocab_size)
-    label = module.model.label
-    info = run_info(config, label, data_info)
-    seq_len = config["data"]["seq_len"]
-    tags = [label, f"L{seq_len}", f"seed{config['seed']}", *module.model.scheme_names]
-    logged_config = {**config, "label": label, "data_info": data_info}
-    loggers = build_loggers(config["logger"], run_dir, config["run_name"], logged_config, tags)
-    callbacks: list[Callback] = [
-        ModelCheckpoint(
-            dirpath=run_dir / "checkpoints",
-            save_last=True,
-            save_top_k=0,
-            every_n_train_steps=config["checkpoint_every_n_steps"],
-        ),
-        TokenAccounting(trainer_cfg["max_steps"], resume_step),
-    ]
-    if loggers:  # it only logs, and refuses to run without a logger
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
-    evaluation = None
-    if config["eval"]["at_end"]:
-        task = config["data"].get("task")
-        # Held-out text for language-modelling runs (task runs are scored on their task); picklable, for ddp_spawn.
-        stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
-        evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
-        callbacks.append(evaluation)
-    trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
-    started = time.perf_counter()
+def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> dict[str, Any]:
+    """Check ``cfg``, then train one run into ``run_dir``; return its summary (also ``run_dir/run.json``)."""
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
-    except BaseException:
-        finish_loggers(loggers, success=False)
-        raise
-    accounting = global_batch(config["data"]["batch_size"], trainer, seq_len)
-    steps = trainer.global_step or _checkpoint_step(run_dir)  # 0 here under ddp_spawn: it trained in children
-    resumed_from = None
-    if resume is not None:
-        first_window = resume_step * accounting["global_batch_size"]
-        resumed_from = {"checkpoint": str(resume), "step": resume_step, "start_sample": first_window}
-    summary: dict[str, Any] = {
-        **info,
-        "steps": steps,
-        **accounting,
-        "tokens": steps * accounting["tokens_per_step"],
-        "resumed_from": resumed_from,
-        "train_seconds": time.perf_counter() - started,
-        "checkpoint": str(run_dir / "checkpoints" / "last.ckpt"),
-        "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
-        "eval": _eval_summary(evaluation, run_dir),
-    }
-    finish_loggers(loggers, success=True)
-    if trainer.is_global_zero:
-        (run_dir / "run.json").write_text(dumps(summary))
-        write_done(run_dir, config, steps)
-    return summary
+        config = to_container(cfg)
+    except MissingMandatoryValue as err:
+        raise RunError(f"{err.full_key} must be set (e.g. {_example(err.full_key)})") from None
+    validate(config)
+    from posenc.training import fit  # Lightning is imported only for a config that can run
+
+    return fit(config, run_dir, resume_command)
 
 
-def _checkpoint_step(run_dir: Path) -> int:
-    """The last checkpoint's step, for when this process's trainer did not train (ddp_spawn)."""
-    path = run_dir / "checkpoints" / "last.ckpt"
-    return read_checkpoint(path)[0] if path.exists() else 0
+def _example(key: str) -> str:
+    return "data.corpus_options.paths=[notes.txt]" if key.endswith("paths") else f"{key}=..."
 
 
-def _eval_summary(evaluation: ExtrapolationEval | None, run_dir: Path) -> dict[str, float] | None:
-    if evaluation is None:
-        return None
-    if evaluation.results:
-        return evaluation.results["summary"]
-    written = run_dir / "eval" / RESULTS_FILE  # ddp_spawn: rank zero evaluated in a child process
-    return json.loads(written.read_text())["summary"] if written.exists() else None
+class _Tee(io.TextIOBase):
+    """A console stream that also writes into the run's ``train.log``."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        if not self.log.closed:  # a handler may keep this stream after the run (the next job of a multirun)
+            self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        if not self.log.closed:
+            self.log.flush()
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+@contextlib.contextmanager
+def console_into(path: Path) -> Iterator[None]:
+    """Copy everything the console shows (stdout and stderr) into ``path``: ``train.log`` holds the whole run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as log:
+        stdout, stderr = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(stdout, log), _Tee(stderr, log)
+        try:
+            yield
+        finally:
+            sys.stdout, sys.stderr = stdout, stderr
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
     run_dir = Path(hydra_config.runtime.output_dir)
     require_encoding(cfg, "posenc.train", run_dir)
-    if hydra_config.mode == RunMode.MULTIRUN:
+    multirun = hydra_config.mode == RunMode.MULTIRUN
+    if multirun:
         join_submitit_tasks()
         state = job_state(run_dir, to_container(cfg))
         if state.finished:
@@ -262,7 +99,41 @@ def main(cfg: DictConfig) -> None:
             if cfg.logger.kind == "wandb":
                 cfg.logger.group = cfg.logger.group or wandb_group(Path(hydra_config.sweep.dir), cfg.sweep_name)
                 cfg.logger.id = wandb_run_id(cfg.logger.group, cfg.run_name)
-    train(cfg, run_dir)
+    overrides = [o for o in hydra_config.overrides.task if not o.startswith(("resume=", "hydra.run.dir="))]
+    resume_command = (
+        shlex.join(["python", "-m", "posenc.train", *overrides, "resume=last", f"hydra.run.dir={run_dir}"])
+        if not multirun
+        else f"the same sweep command again (it resumes {run_dir.name})"
+    )
+    try:
+        with console_into(run_dir / f"{hydra_config.job.name}.log"):
+            train(cfg, run_dir, resume_command)
+    except RunError as err:
+        if not (run_dir / CHECKPOINT).exists():
+            remove_if_only_bookkeeping(run_dir)
+        if not multirun or not (run_dir / FAILED_FILE).exists():
+            raise
+        # A diverged job of a sweep: recorded in failed.json; the sweep goes on and its report lists it apart.
+        print(f"error: {err}", file=sys.stderr)
+
+
+def main() -> None:
+    """Run from any directory: a relative ``-cd``/``--config-dir`` that is not here names the repository's."""
+    args = sys.argv[1:]
+    for index, arg in enumerate(args):
+        if arg in ("-cd", "--config-dir") and index + 1 < len(args):
+            args[index + 1] = _config_dir(args[index + 1])
+        elif arg.startswith(("-cd=", "--config-dir=")):
+            flag, _, value = arg.partition("=")
+            args[index] = f"{flag}={_config_dir(value)}"
+    sys.argv = [sys.argv[0], *args]
+    _main()
+
+
+def _config_dir(value: str) -> str:
+    path = Path(value).expanduser()
+    bundled = CONF_DIR.parent / value
+    return str(bundled) if not path.is_absolute() and not path.is_dir() and bundled.is_dir() else value
 
 
 if __name__ == "__main__":

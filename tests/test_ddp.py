@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import FAST
 
-from posenc.sweep import DONE_FILE, reruns_command
+from posenc.runs import DONE_FILE
+from posenc.sweep import reruns_command
 
 TWO_CPU_PROCESSES = ["trainer.accelerator=cpu", "trainer.devices=2"]
 

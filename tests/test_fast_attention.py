@@ -19,8 +19,34 @@ from posenc.encodings.base import DerivativeForm, TableForm
 from posenc.encodings.kerple import KerpleLog
 from posenc.model import Decoder
 
-LEARNABLE = ["kerple_log", "kerple_power", "t5", "alibi+kerple_log+t5", "rope+kerple_power"]
-T5_PAST_HORIZON = 150  # the default T5 horizon is 113: longer windows exercise the last bucket
+
+def _learnable_schemes_and_stacks() -> list[str]:
+    """Every registered scheme with a learnable bias, all of them stacked, and stacks with a fixed bias and a rotation.
+
+    Derived from the registry and the contract, so a new learnable scheme is tested without an edit to this file.
+    """
+    learnable = [name for name in SCHEMES if make(name).learnable_bias]
+    fixed = [name for name in BIAS_SCHEMES if name not in learnable and "+" not in name]
+    rotary = [name for name in SCHEMES if make(name).rotates and not make(name).adds_bias]
+    cases = list(learnable)
+    if len(learnable) > 1:
+        cases.append("+".join(learnable))
+    cases += [f"{other}+{learnable[0]}" for other in fixed[:1]] + [f"{other}+{learnable[-1]}" for other in rotary[:1]]
+    return cases
+
+
+LEARNABLE = _learnable_schemes_and_stacks()
+
+
+def _length_past_horizons(name: str) -> int:
+    """A window longer than every table horizon the scheme declares, so the last table entry gets a gradient."""
+    forms = make(name).bias_gradient_forms() or []
+    return max([37] + [form.horizon + 37 for form in forms if isinstance(form, TableForm)])
+
+
+def _auto_choices(name: str) -> list[str]:
+    """Every backend ``auto`` may pick for this scheme (on CUDA and on CPU), the eager reference excluded."""
+    return sorted({choose(make(name), is_cuda=cuda) for cuda in (True, False)} - {"eager"})
 
 
 def _grads(backend: str, name: str, length: int, first_pos: int = 0, **cfg) -> list[torch.Tensor]:
@@ -36,15 +62,24 @@ def _grads(backend: str, name: str, length: int, first_pos: int = 0, **cfg) -> l
     return [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in enc.parameters() if p.requires_grad)]
 
 
+def test_learnable_cases_come_from_the_registry() -> None:
+    assert LEARNABLE and all(make(name).learnable_bias for name in LEARNABLE)
+    assert any("+" in name for name in LEARNABLE)  # stacks of them too
+
+
 @pytest.mark.parametrize("name", LEARNABLE)
-def test_flex_learnable_matches_eager_values_and_gradients(name: str) -> None:
-    length = T5_PAST_HORIZON if "t5" in name else 37
+def test_every_backend_auto_may_choose_matches_eager_values_and_gradients(name: str) -> None:
+    length = _length_past_horizons(name)
     expected = _grads("eager", name, length)
-    got = _grads("flex_learnable", name, length)
-    assert len(got) == len(expected) > 4  # the bias parameters are there and receive gradients
-    for value, reference in zip(got, expected, strict=True):
-        assert value is not None
-        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
+    assert len(expected) > 4  # the bias parameters are there and receive gradients
+    for backend in _auto_choices(name):
+        got = _grads(backend, name, length)
+        assert len(got) == len(expected), backend
+        for index, (value, reference) in enumerate(zip(got, expected, strict=True)):
+            assert value is not None, (backend, index)
+            torch.testing.assert_close(
+                value, reference, atol=1e-5, rtol=1e-4, msg=lambda m, b=backend, i=index: f"{b}, tensor {i}: {m}"
+            )
 
 
 def test_t5_last_bucket_gradient_comes_from_the_row_sums() -> None:
@@ -99,13 +134,18 @@ def test_causal_block_mask_is_create_block_masks(length: int) -> None:
     assert torch.equal(got.to_dense(), expected.to_dense())
 
 
-@pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
+DERIVATIVE_SCHEMES = [
+    name for name in SCHEMES if any(isinstance(form, DerivativeForm) for form in make(name).bias_gradient_forms() or [])
+]
+
+
+@pytest.mark.parametrize("name", DERIVATIVE_SCHEMES)
 def test_derivative_forms_are_the_bias_derivatives(name: str) -> None:
     enc = make(name)
     pos = torch.arange(30)
     q_idx, k_idx = torch.tril_indices(30, 30)
     forms = enc.bias_gradient_forms()
-    assert all(isinstance(form, DerivativeForm) for form in forms) and len(forms) == 2
+    assert all(isinstance(form, DerivativeForm) for form in forms)
     weights = torch.rand(q_idx.shape)  # random weights per (i, j): a wrong f cannot cancel out
     for form in forms:
         # Σ_ij w_ij ∂b[h, i, j]/∂θ[h]; a parameter moves only its own head, so one gradient covers every head.

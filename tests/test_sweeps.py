@@ -18,15 +18,14 @@ from hydra.utils import instantiate
 from posenc.config import CONF_DIR
 from posenc.encodings import available
 from posenc.loggers import build_loggers
+from posenc.runs import read_checkpoint, write_done
 from posenc.sweep import (
     DONE_FILE,
     SWEEP_FILE,
     SweepError,
     job_state,
-    read_checkpoint,
     setting_changes,
     wandb_run_id,
-    write_done,
 )
 from posenc.train import train
 

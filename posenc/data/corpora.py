@@ -87,7 +87,15 @@ def text_corpus(paths: Sequence[str], val_percent: float = 5.0, test_percent: fl
     )
     files = [f for f in files if f.is_file()]
     if not files:
-        raise FileNotFoundError(f"data=text found no files for {list(paths)}: set data.paths to files or globs")
+        raise FileNotFoundError(
+            f"data=text found no files for {list(paths)}: set data.corpus_options.paths to existing files or globs"
+        )
+    for file in files:
+        with file.open("rb") as handle:
+            if b"\0" in handle.read(65536):
+                raise ValueError(f"data=text: {file} looks binary (it holds NUL bytes): give text files")
+    if not any(file.stat().st_size for file in files):
+        raise ValueError(f"data=text: every file of {list(paths)} is empty: give files with text in them")
     if len(files) >= 20:
         return Corpus(name="text", documents=_split_files(files, val_percent, test_percent))
     data = b"\n".join(f.read_bytes() for f in files)

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from posenc.data.cache import tokenized_splits
 from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
+from posenc.data.tasks import TaskDataset
 from posenc.data.tokenizer import ByteTokenizer
-from posenc.evaluate.tasks import TaskDataset
 
 
 class RandomWindows(Dataset):
@@ -69,7 +69,7 @@ class _WindowDataModule(L.LightningDataModule):
     """What every posenc data module shares: byte tokens, windows of ``seq_len``, numbered training samples.
 
     ``num_samples`` and ``start_sample`` are set again by the trainer once the world size and the resumed step are
-    known (``posenc.train.TokenAccounting``), so both modules keep them as plain attributes.
+    known (``posenc.training.TokenAccounting``), so both modules keep them as plain attributes.
     """
 
     def __init__(self, seq_len: int, batch_size: int, num_samples: int, num_workers: int, seed: int) -> None:

@@ -21,6 +21,11 @@ def rotary_dims(head_dim: int, fraction: float) -> int:
     """Number of rotated channels: the largest even count within ``fraction`` of the head."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"rotary_fraction must be in (0, 1], got {fraction}")
+    if fraction == 1.0 and head_dim % 2:
+        raise ValueError(
+            f"rope rotates channel pairs but head_dim={head_dim} (model.dim / model.heads) is odd: choose an even "
+            "head_dim, or a rotary_fraction below 1 to leave channels unrotated on purpose"
+        )
     dims = int(head_dim * fraction) // 2 * 2
     if dims == 0:
         raise ValueError(f"rotary_fraction={fraction} of head_dim={head_dim} leaves no channel pair to rotate")

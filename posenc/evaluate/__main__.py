@@ -16,8 +16,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import CONF_DIR, to_container
-from posenc.evaluate.runner import evaluate_model, print_results, write_outputs
-from posenc.lit import LitDecoder
+from posenc.runs import (
+    RunError,
+    build_datamodule,
+    check_data,
+    eval_problems,
+    load_module,
+    run_info,
+    update_run_summary,
+)
 
 USAGE = "usage: python -m posenc.evaluate <run dir or checkpoint.ckpt> [eval.multiples=[1,2,4] eval.mode=sliding ...]"
 
@@ -28,19 +35,19 @@ def resolve_checkpoint(target: str) -> tuple[Path, Path]:
     if path.is_dir():
         checkpoint = path / "checkpoints" / "last.ckpt"
         if not checkpoint.exists():
-            raise SystemExit(f"no checkpoint at {checkpoint}: is {path} a posenc run directory that finished a step?")
+            raise RunError(f"no checkpoint at {checkpoint}: is {path} a posenc run directory that finished a step?")
         return checkpoint, path
     if path.is_file():
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return path, run_dir
-    raise SystemExit(f"{target} is neither a run directory nor a checkpoint file\n{USAGE}")
+    raise RunError(f"{target} is neither a run directory nor a checkpoint file; {USAGE}")
 
 
 def check_consistency(trained: dict[str, Any], run_dir: Path, cfg: DictConfig) -> None:
     """Refuse to evaluate a checkpoint under a config it was not trained with."""
     saved = run_dir / ".hydra" / "config.yaml"
     if saved.exists():
-        run_config = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+        run_config = _saved_config(saved)
         for key in ("encoding", "model"):
             if key in run_config and _plain(run_config[key]) != _plain(trained[key]):
                 raise SystemExit(
@@ -57,6 +64,15 @@ def check_consistency(trained: dict[str, Any], run_dir: Path, cfg: DictConfig) -
             )
 
 
+def _saved_config(path: Path) -> dict[str, Any]:
+    """A run's config.yaml, resolved where it can be (``learned.max_positions: ${data.seq_len}`` → 64)."""
+    loaded = OmegaConf.load(path)
+    try:
+        return OmegaConf.to_container(loaded, resolve=True)  # type: ignore[return-value]
+    except Exception:  # an interpolation that needs Hydra's runtime: compare what is literal
+        return OmegaConf.to_container(loaded, resolve=False)  # type: ignore[return-value]
+
+
 def _plain(value: Any) -> Any:
     """Compare configs without interpolations (e.g. learned.max_positions: ${data.seq_len} vs 64)."""
     if isinstance(value, dict):
@@ -64,39 +80,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def load_module(checkpoint: Path, device: str, attention: str | None) -> tuple[LitDecoder, dict[str, Any]]:
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    try:
-        hparams = state["hyper_parameters"]
-        config = hparams["config"]
-    except KeyError as err:
-        raise SystemExit(f"{checkpoint} is not a posenc checkpoint (no saved config: missing {err})") from err
-    if attention is not None:
-        config = {**config, "attention": {"name": attention}}
-    # Evaluation runs the blocks uncompiled (posenc/compiling.py): compiling them here would be wasted.
-    module = LitDecoder({**config, "compile": False}, vocab_size=hparams["vocab_size"])
-    try:
-        module.load_state_dict(state["state_dict"])
-    except RuntimeError as err:
-        raise SystemExit(
-            f"checkpoint/config mismatch: {checkpoint}'s weights do not fit its saved config: {err}"
-        ) from err
-    return module.to(device).eval(), config
-
-
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="evaluate")
 def _main(cfg: DictConfig) -> None:
-    from posenc.train import build_datamodule, run_info
-
     checkpoint, run_dir = resolve_checkpoint(cfg.target)
+    eval_cfg = to_container(cfg.eval)
+    problems = eval_problems(eval_cfg)
+    if problems:
+        raise RunError("; ".join(problems))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     module, config = load_module(checkpoint, device, cfg.attention)
     check_consistency(config, run_dir, cfg)
-    eval_cfg = to_container(cfg.eval)
+    from posenc.evaluate.runner import evaluate_model, print_results, replace_outputs
+
     task = config["data"].get("task")
     datamodule = build_datamodule(config, num_samples=1)
+    data_info = check_data(datamodule)
     stream = None if task else datamodule.stream(eval_cfg["split"])
-    info = run_info(config, module.model.label, datamodule.describe())
+    info = run_info(config, module.model.label, data_info)
     results = evaluate_model(module.model, run_info=info, eval_cfg=eval_cfg, stream=stream, task=task)
     if cfg.out_dir:
         out_dir = Path(cfg.out_dir)
@@ -104,7 +104,9 @@ def _main(cfg: DictConfig) -> None:
         out_dir = run_dir / f"eval_sliding_s{eval_cfg['stride']}"
     else:
         out_dir = run_dir / "eval"
-    images = write_outputs(results, out_dir, plots=eval_cfg["plots"])
+    images = replace_outputs(results, out_dir, plots=eval_cfg["plots"])
+    if out_dir.resolve() == (run_dir / "eval").resolve():
+        update_run_summary(run_dir, results["summary"])
     print_results(results)
     print(f"\nwrote {out_dir}/results.json and {len(images)} plot(s)")
     if cfg.wandb:

@@ -37,7 +37,9 @@ class LengthResult:
 
     @property
     def ppl(self) -> float:
-        return math.exp(self.loss) if math.isfinite(self.loss) else float("nan")
+        if not math.isfinite(self.loss):
+            return float("nan")
+        return math.exp(self.loss) if self.loss < 709.0 else float("inf")  # exp overflows a double past ~709.78
 
     @property
     def bpb(self) -> float:

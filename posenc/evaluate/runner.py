@@ -8,6 +8,8 @@ reads), ``perplexity.csv``, ``loss_by_position.csv``, task CSVs and plots.
 from __future__ import annotations
 
 import csv
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,11 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from posenc.compiling import eager_blocks
+from posenc.evaluate import RESULTS_FILE
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.jsonio import dumps
-
-RESULTS_FILE = "results.json"
 
 
 def supported(lengths: list[int], model: nn.Module) -> list[int]:
@@ -123,6 +124,26 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
 
 def _multiple_tag(multiple: float) -> str:
     return f"{int(multiple)}x" if float(multiple).is_integer() else f"{multiple:g}x"
+
+
+def replace_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
+    """``write_outputs`` into a fresh folder that then replaces ``out_dir`` whole.
+
+    No file of an earlier evaluation (a plot, a CSV of a length no longer asked for) survives next to the new ones.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        images = write_outputs(results, staging, plots=plots)
+        previous = out_dir.with_name(f".{out_dir.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        if out_dir.exists():
+            out_dir.rename(previous)
+        staging.rename(out_dir)
+        shutil.rmtree(previous, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [out_dir / image.name for image in images]
 
 
 def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
@@ -292,6 +313,6 @@ class ExtrapolationEval(Callback):
         self.results = evaluate_model(
             pl_module.model, run_info=self.run_info, eval_cfg=self.eval_cfg, stream=stream, task=self.task
         )
-        images = write_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
+        images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
         print_results(self.results)
         log_results(self.results, trainer.loggers, images, trainer.global_step)

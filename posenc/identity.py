@@ -1,0 +1,149 @@
+"""What makes two evaluated runs the same experiment, so that the report pools only those (mean ± std over seeds).
+
+A run's identity is its resolved training config without the seed, paths and logging (``RUNTIME_KEYS``), plus
+the corpus fingerprint, plus the evaluation settings that change the numbers (everything in ``results["eval"]``
+but plots and batching): a re-evaluation with another eval-time option is another column. Runs of one scheme
+with different identities get separate columns whose labels name the difference (``alibi · max_steps=40``,
+``alibi · data=text``, ``rope · rope_scaling=yarn``).
+
+Older results carry no config: it is read from the run's ``done.json`` or ``.hydra/config.yaml``. A key missing
+from one run compares equal to the project's default for it when the default is known, and differs otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from posenc.config import CONF_DIR
+from posenc.runs import DONE_FILE, experiment_settings, read_json
+
+# Never part of an identity: the seed is what is pooled over; paths name where data lies (the fingerprint says
+# what it is); the training config's own eval section is replaced by the settings the results were made with.
+NOT_IDENTITY = ("seed", "data.corpus_options.paths", "eval", "label", "data_info")
+# Evaluation settings that change how, not what, is computed.
+EVAL_RUNTIME = ("plots", "at_end", "tokens_per_batch")
+# What every results.json holds besides settings: identity, figures, bookkeeping.
+RESULT_FIELDS = {"label", "train_len", "seed", "encoding", "model", "data", "run_name", "config", "eval", "summary"}
+SEPARATOR = " · "
+UNSET = "(unset)"
+
+
+def _saved_config(result: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The training config of a result: recorded in it, else in its run directory (``<run>/eval/results.json``)."""
+    if isinstance(result.get("config"), Mapping):
+        return dict(result["config"])
+    source = result.get("_source")
+    if not source:
+        return None
+    run_dir = Path(source).parent.parent
+    try:
+        if (run_dir / DONE_FILE).is_file():
+            return read_json(run_dir / DONE_FILE).get("config")
+        saved = run_dir / ".hydra" / "config.yaml"
+        if saved.is_file():
+            return OmegaConf.to_container(OmegaConf.load(saved), resolve=True)  # type: ignore[return-value]
+    except (SystemExit, Exception):  # an unreadable record: the identity falls back to label and eval settings
+        return None
+    return None
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """The project's default settings (every group's default yaml), flattened: what an older run left unsaid."""
+    main = OmegaConf.load(CONF_DIR / "train.yaml")
+    top = OmegaConf.to_container(main, resolve=False)
+    defaults = {k: v for k, v in experiment_settings(top).items() if not k.startswith(("hydra", "defaults"))}
+    for entry in main.get("defaults", []):
+        if isinstance(entry, Mapping) or OmegaConf.is_dict(entry):
+            for group, option in dict(entry).items():
+                path = CONF_DIR / str(group) / f"{option}.yaml"
+                if option and path.is_file():
+                    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+                    defaults.update({f"{group}.{key}": value for key, value in experiment_settings(node).items()})
+    return defaults
+
+
+def identity(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted settings that must all match for two results to be pooled."""
+    config = _saved_config(result)
+    settings: dict[str, Any] = {}
+    if config is not None:
+        settings = {
+            key: value
+            for key, value in experiment_settings(config).items()
+            if not any(key == k or key.startswith(f"{k}.") for k in NOT_IDENTITY) and value != {}
+        }
+    else:
+        settings["encoding"] = result.get("label")
+    data = result.get("data") or {}
+    settings["data.fingerprint"] = data.get("fingerprint") or data.get("task")
+    for key, value in experiment_settings(result.get("eval") or {}).items():
+        if key.split(".")[0] not in EVAL_RUNTIME:
+            settings[f"eval.{key}"] = value
+    # Evaluation-time options recorded beside the run info (e.g. a RoPE scaling applied at evaluation): scalars,
+    # and mappings named for evaluation; figures (lists, the summary) never are settings.
+    for key, value in result.items():
+        if key in RESULT_FIELDS or key.startswith("_"):
+            continue
+        if isinstance(value, str | int | float | bool) or value is None:
+            settings[f"run.{key}"] = value
+        elif isinstance(value, Mapping) and "eval" in key:
+            settings.update({f"run.{key}.{k}": v for k, v in experiment_settings(value).items()})
+    return settings
+
+
+def _short(key: str, value: Any) -> str:
+    name = key.rsplit(".", 1)[-1]
+    if isinstance(value, float):
+        value = f"{value:g}"
+    return f"{name}={value}"
+
+
+def _suffix(settings: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """The readable difference of one identity from the others of its scheme."""
+    if "data.corpus" in keys or "data.task" in keys:  # another corpus: say which, not its fingerprint or options
+        what = settings.get("data.corpus") or settings.get("data.task") or "?"
+        keys = [k for k in keys if not k.startswith("data.")]
+        return SEPARATOR.join([f"data={what}", *(_short(k, settings.get(k, "default")) for k in keys)][:4])
+    if keys == ["data.fingerprint"]:
+        return f"corpus {str(settings.get('data.fingerprint'))[:8]}"
+    shown = [_short(k, settings.get(k, "default")) for k in keys if k != "data.fingerprint"]
+    return SEPARATOR.join(shown[:3] + (["…"] if len(shown) > 3 else []))
+
+
+def columns(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """{column label: runs pooled in it}: runs of one label are split by identity, labels name the difference."""
+    by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for run in runs:
+        by_label[run["label"]].append(run)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for label, group in by_label.items():
+        settings = [identity(run) for run in group]
+        keys = sorted({key for one in settings for key in one})
+        defaults = _defaults()
+        # A key an older run did not record takes the project's default; with no default known, it differs.
+        filled = [{key: one.get(key, defaults.get(key, UNSET)) for key in keys} for one in settings]
+        identities: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+        for run, one in zip(group, filled, strict=True):
+            identities.setdefault(repr(list(one.items())), (one, []))[1].append(run)
+        if len(identities) == 1:
+            out[label] = group
+            continue
+        differing = [key for key in keys if len({repr(one[key]) for one, _ in identities.values()}) > 1]
+        # The column with most runs is named by its values of the differing keys; every other column only by
+        # what it changes from that one (``alibi · max_steps=40`` next to ``alibi · max_steps=30``).
+        base = max(identities.values(), key=lambda item: len(item[1]))[0]
+        for one, members in identities.values():
+            keys = differing if one is base else [key for key in differing if one[key] != base[key]]
+            keys = [key for key in keys if one[key] != UNSET] or keys
+            name = f"{label}{SEPARATOR}{_suffix(one, keys)}"
+            while name in out:  # two identities that read the same once shortened
+                name += "′"
+            out[name] = members
+    return out

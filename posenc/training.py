@@ -1,0 +1,228 @@
+"""The training loop behind ``python -m posenc.train``: Lightning, checkpoints, token accounting, the final eval.
+
+``posenc.train`` checks the config first and imports this module only then, so that a bad input is refused in
+the time it takes to import torch, not Lightning.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+
+from posenc.evaluate import RESULTS_FILE
+from posenc.evaluate.runner import ExtrapolationEval
+from posenc.lit import DivergedError, LitDecoder
+from posenc.loggers import build_loggers, finish_loggers
+from posenc.runs import (
+    CHECKPOINT,
+    RUN_FILE,
+    RunError,
+    build_datamodule,
+    check_data,
+    read_checkpoint,
+    resume_checkpoint,
+    run_info,
+    wandb_id,
+    write_done,
+    write_failed,
+    write_json,
+)
+
+# Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
+# training windows are numbered, and a resumed run starts after those it trained on (TokenAccounting).
+warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+
+
+def resolve_precision(requested: str, accelerator: str) -> str:
+    """``auto`` → bf16-mixed where a CUDA GPU supports bf16, fp32 everywhere else (CPU bf16 is slow)."""
+    if requested != "auto":
+        return requested
+    on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+
+
+class TokenAccounting(Callback):
+    """Sizes the training stream for the world Lightning resolved; logs tokens seen and tokens/s over all ranks.
+
+    ``data.batch_size`` is per device, so one optimizer step consumes ``batch_size × accumulate × world_size``
+    windows: the global batch. The world size is only known once Lightning has parsed ``devices`` (``auto``,
+    lists) and ``num_nodes``, hence ``setup``. Training windows are numbered ``(seed, start_sample + index)``; a
+    run resumed at step s starts after the s global batches it already trained on, so it sees fresh windows.
+    Tokens/s is global (steps are in lockstep across ranks) and leaves out validation time.
+    """
+
+    def __init__(self, max_steps: int, resume_step: int) -> None:
+        self.max_steps, self.resume_step = max_steps, resume_step
+        self.accounting: dict[str, int] = {}
+        self.last_step, self.last_time, self.paused_at = 0, 0.0, None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        data = trainer.datamodule
+        self.accounting = global_batch(data.batch_size, trainer, data.seq_len)
+        # The whole run's windows, so that the epoch (all of it) ends at max_steps after a resume too.
+        data.num_samples = self.max_steps * self.accounting["global_batch_size"]
+        data.start_sample = self.resume_step * self.accounting["global_batch_size"]
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(self.accounting)
+            print(
+                f"{trainer.world_size} process(es) × batch {trainer.datamodule.batch_size} × accumulation "
+                f"{trainer.accumulate_grad_batches} = global batch {self.accounting['global_batch_size']} "
+                f"({self.accounting['tokens_per_step']} tokens per step)"
+                + (f"; resuming at step {self.resume_step}" if self.resume_step else "")
+            )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.last_step, self.last_time = trainer.global_step, time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self.last_step or step % trainer.log_every_n_steps:  # Lightning logs at these steps
+            return
+        now = time.perf_counter()
+        tokens_per_step = self.accounting["tokens_per_step"]
+        rate = (step - self.last_step) * tokens_per_step / max(now - self.last_time, 1e-9)
+        # Through Lightning's logging, so these share the x-axis of train/loss; rank zero's values are logged.
+        pl_module.log_dict({"train/tokens": float(step * tokens_per_step), "train/tokens_per_sec": rate})
+        self.last_step, self.last_time = step, now
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.paused_at = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.paused_at is not None:
+            self.last_time += time.perf_counter() - self.paused_at
+            self.paused_at = None
+
+
+def global_batch(batch_size: int, trainer: L.Trainer, seq_len: int) -> dict[str, int]:
+    """What one optimizer step consumes across all ranks (recorded in run.json and the loggers)."""
+    windows = batch_size * trainer.accumulate_grad_batches * trainer.world_size
+    return {"world_size": trainer.world_size, "global_batch_size": windows, "tokens_per_step": windows * seq_len}
+
+
+class SaveOnInterrupt(Callback):
+    """Ctrl-C: save ``last.ckpt`` at the current step and print the command that resumes the run."""
+
+    def __init__(self, checkpoint: Path, resume_command: str) -> None:
+        self.checkpoint, self.resume_command = checkpoint, resume_command
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            trainer.save_checkpoint(self.checkpoint)
+            if trainer.is_global_zero:
+                print(f"interrupted at step {trainer.global_step}; saved {self.checkpoint}. Resume with:")
+                print(f"  {self.resume_command}")
+
+
+def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None) -> dict[str, Any]:
+    """Train one run into ``run_dir`` with a validated, resolved config; return its summary (``run.json``).
+
+    Ends by writing ``run_dir/done.json`` on rank zero, after the evaluation and the loggers: a run without it
+    did not finish, which is how a relaunched sweep tells what to skip. A non-finite loss stops the run with
+    ``failed.json`` and a ``RunError`` naming the step; the last checkpoint on disk is the last good one.
+    """
+    resume = resume_checkpoint(config.get("resume"), run_dir)
+    resume_step = read_checkpoint(resume)[0] if resume is not None else 0
+    L.seed_everything(config["seed"], workers=True, verbose=False)
+    trainer_cfg = dict(config["trainer"])
+    trainer_cfg["precision"] = resolve_precision(trainer_cfg["precision"], trainer_cfg["accelerator"])
+    if isinstance(trainer_cfg.get("val_check_interval"), int):  # one epoch is the whole run: validate within it
+        trainer_cfg["val_check_interval"] = min(trainer_cfg["val_check_interval"], trainer_cfg["max_steps"])
+    # Sized for one process here; TokenAccounting resizes it for the world size once Lightning knows it.
+    samples = trainer_cfg["max_steps"] * config["data"]["batch_size"] * trainer_cfg["accumulate_grad_batches"]
+    datamodule = build_datamodule(config, samples)
+    data_info = check_data(datamodule)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if config["logger"].get("kind") == "wandb" and not config["logger"].get("id"):
+        config["logger"] = {**config["logger"], "id": wandb_id(run_dir)}  # a resumed run continues its W&B run
+    module = LitDecoder(config, vocab_size=datamodule.vocab_size)
+    label = module.model.label
+    info = run_info(config, label, data_info)
+    seq_len = config["data"]["seq_len"]
+    tags = [label, f"L{seq_len}", f"seed{config['seed']}", *module.model.scheme_names]
+    logged_config = {**config, "label": label, "data_info": data_info}
+    loggers = build_loggers(
+        config["logger"], run_dir, config["run_name"], logged_config, tags, resume_step if resume else None
+    )
+    callbacks: list[Callback] = [
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints",
+            save_last=True,
+            save_top_k=0,
+            every_n_train_steps=config["checkpoint_every_n_steps"],
+        ),
+        TokenAccounting(trainer_cfg["max_steps"], resume_step),
+        SaveOnInterrupt(run_dir / CHECKPOINT, resume_command or f"resume=last in {run_dir}"),
+    ]
+    if loggers:  # it only logs, and refuses to run without a logger
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    evaluation = None
+    if config["eval"]["at_end"]:
+        task = config["data"].get("task")
+        # Held-out text for language-modelling runs (task runs are scored on their task); picklable, for ddp_spawn.
+        stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
+        evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
+        callbacks.append(evaluation)
+    trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
+    started = time.perf_counter()
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    except DivergedError as err:
+        finish_loggers(loggers, success=False)
+        checkpoint = run_dir / CHECKPOINT
+        kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "no checkpoint was saved"
+        message = f"{config['run_name']}: training diverged: {err}; {kept}. Lower optim.lr or raise warmup"
+        if trainer.is_global_zero:
+            write_failed(run_dir, config, str(err), err.step)
+        raise RunError(message) from None
+    except BaseException:
+        finish_loggers(loggers, success=False)
+        raise
+    accounting = global_batch(config["data"]["batch_size"], trainer, seq_len)
+    steps = trainer.global_step or _checkpoint_step(run_dir)  # 0 here under ddp_spawn: it trained in children
+    resumed_from = None
+    if resume is not None:
+        first_window = resume_step * accounting["global_batch_size"]
+        resumed_from = {"checkpoint": str(resume), "step": resume_step, "start_sample": first_window}
+    summary: dict[str, Any] = {
+        **info,
+        "steps": steps,
+        **accounting,
+        "tokens": steps * accounting["tokens_per_step"],
+        "resumed_from": resumed_from,
+        "train_seconds": time.perf_counter() - started,
+        "checkpoint": str(run_dir / CHECKPOINT),
+        "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
+        "eval": _eval_summary(evaluation, run_dir),
+    }
+    finish_loggers(loggers, success=True)
+    if trainer.is_global_zero:
+        write_json(run_dir / RUN_FILE, summary)
+        write_done(run_dir, config, steps)
+    return summary
+
+
+def _checkpoint_step(run_dir: Path) -> int:
+    """The last checkpoint's step, for when this process's trainer did not train (ddp_spawn)."""
+    path = run_dir / CHECKPOINT
+    return read_checkpoint(path)[0] if path.exists() else 0
+
+
+def _eval_summary(evaluation: ExtrapolationEval | None, run_dir: Path) -> dict[str, float] | None:
+    if evaluation is None:
+        return None
+    if evaluation.results:
+        return evaluation.results["summary"]
+    written = run_dir / "eval" / RESULTS_FILE  # ddp_spawn: rank zero evaluated in a child process
+    return json.loads(written.read_text())["summary"] if written.exists() else None

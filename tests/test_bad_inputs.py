@@ -1,0 +1,132 @@
+"""The bad-input catalogue, through the real CLI: exit ≠ 0, one clear line on stderr, no traceback, nothing written.
+
+Every row runs ``python -m posenc.<command>`` in its own empty working directory; the rows run two at a time (a
+Python start costs seconds) from one module fixture, and each row is its own test. The README's error table
+lists the same inputs and messages.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from helpers import FAST, compose_train
+
+from posenc.train import train
+
+TRAIN = ["+encoding=alibi", *FAST]
+# (id, command, arguments, what stderr's first line says, or one of several); {files} / {run} come from fixtures.
+ROWS = [
+    ("missing scheme", "train", FAST, "needs a positional scheme: add +encoding=<name>"),
+    ("unknown scheme", "train", ["+encoding=nosuch", *FAST], "Could not find 'encoding/nosuch'"),
+    ("unknown scheme name", "train", [*TRAIN, "encoding.name=nosuch"], "unknown positional scheme 'nosuch'"),
+    ("dim not divisible by heads", "train", [*TRAIN, "model.dim=100", "model.heads=3"], "not divisible by"),
+    ("odd head_dim, rotary", "train", ["+encoding=rope", *FAST, "model.dim=72", "model.heads=8"], "is odd"),
+    ("seq_len 0", "train", [*TRAIN, "data.seq_len=0"], "data.seq_len=0 must be a whole number ≥ 1"),
+    ("seq_len negative", "train", [*TRAIN, "data.seq_len=-5"], "data.seq_len=-5 must be a whole number ≥ 1"),
+    ("batch_size 0", "train", [*TRAIN, "data.batch_size=0"], "data.batch_size=0 must be a whole number ≥ 1"),
+    ("max_steps 0", "train", [*TRAIN, "trainer.max_steps=0"], "trainer.max_steps=0 must be a whole number ≥ 1"),
+    ("eval multiple 0", "train", [*TRAIN, "eval.multiples=[0]"], "eval.multiples=[0] must list whole multiples"),
+    ("eval multiple negative", "train", [*TRAIN, "eval.multiples=[-1]"], "eval.multiples=[-1] must list whole"),
+    ("eval multiple fraction", "train", [*TRAIN, "eval.multiples=[0.5]"], "eval.multiples=[0.5] must list whole"),
+    (
+        "learned past max_positions",
+        "train",
+        ["+encoding=learned", *FAST, "encoding.max_positions=8"],
+        "learned represents at most 8 positions but data.seq_len=16",
+    ),
+    ("text without paths", "train", [*TRAIN, "data=text"], "data.corpus_options.paths must be set"),
+    (
+        "text, missing files",
+        "train",
+        [*TRAIN, "data=text", "data.corpus_options.paths=[{files}/nothing-*.txt]"],
+        "data=text found no files",
+    ),
+    (
+        "text, empty file",
+        "train",
+        [*TRAIN, "data=text", "data.corpus_options.paths=[{files}/empty.txt]"],
+        "is empty: give files with text in them",
+    ),
+    (
+        "text, binary file",
+        "train",
+        [*TRAIN, "data=text", "data.corpus_options.paths=[{files}/binary.txt]"],
+        "looks binary",
+    ),
+    (
+        "text, too short",
+        "train",
+        [*TRAIN, "data=text", "data.corpus_options.paths=[{files}/short.txt]"],
+        "fewer than one window of data.seq_len=16",
+    ),
+    (
+        "hf offline",
+        "train",
+        [*TRAIN, "data=hf"],
+        ("data=hf needs the datasets package", "could not load Hugging Face dataset"),
+    ),
+    ("negative learning rate", "train", [*TRAIN, "optim.lr=-1"], "optim.lr=-1 must be a positive number"),
+    ("unknown override key", "train", [*TRAIN, "model.width=3"], "Could not override 'model.width'"),
+    ("flex on CPU", "train", [*TRAIN, "attention=flex"], "attention=flex trains only on a CUDA GPU"),
+    ("evaluate, missing dir", "evaluate", ["{files}/no-run"], "is neither a run directory nor a checkpoint"),
+    ("evaluate, no checkpoint", "evaluate", ["{files}"], "no checkpoint at"),
+    ("evaluate, truncated checkpoint", "evaluate", ["{files}/truncated.ckpt"], "cannot be read as a checkpoint"),
+    ("evaluate, mismatched override", "evaluate", ["{run}", "+encoding=rope"], "checkpoint/config mismatch"),
+    ("evaluate, eval multiple 0", "evaluate", ["{run}", "eval.multiples=[0]"], "eval.multiples=[0] must list"),
+    ("report, empty dir", "report", ["{files}/empty-dir"], "no results.json found"),
+    ("report, corrupt results", "report", ["{files}/corrupt"], "corrupt/results.json: Unterminated string"),
+]
+# Hydra's own errors for names it cannot compose are a few lines (what is wrong, then how to get a stack trace).
+HYDRA_ROWS = {"unknown scheme", "unknown override key"}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, list[str]]]:
+    files = tmp_path_factory.mktemp("inputs")
+    (files / "empty.txt").write_text("")
+    (files / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    (files / "short.txt").write_text("too short for one window\n" * 3)
+    (files / "empty-dir").mkdir()
+    (files / "corrupt").mkdir()
+    (files / "corrupt" / "results.json").write_text('{"label": "alibi", "perp')
+    run = tmp_path_factory.mktemp("run")
+    train(compose_train(*TRAIN), run)
+    (files / "truncated.ckpt").write_bytes((run / "checkpoints" / "last.ckpt").read_bytes()[:4096])
+
+    def launch(row: tuple) -> tuple[subprocess.CompletedProcess, list[str]]:
+        _, command, args, _ = row
+        cwd = tmp_path_factory.mktemp("cwd")
+        args = [a.replace("{files}", str(files)).replace("{run}", str(run)) for a in args]
+        result = subprocess.run(
+            [sys.executable, "-m", f"posenc.{command}", *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "WANDB_MODE": "disabled"},
+        )
+        return result, sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*"))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip([row[0] for row in ROWS], pool.map(launch, ROWS), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "message"), [(row[0], row[3]) for row in ROWS], ids=[row[0] for row in ROWS])
+def test_bad_input_fails_clearly_and_writes_nothing(name: str, message: str, outcomes: dict) -> None:
+    if name == "flex on CPU" and torch.cuda.is_available():
+        pytest.skip("flex trains on this machine's GPU")
+    result, written = outcomes[name]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode != 0, result.stdout[-1000:]
+    assert "Traceback" not in result.stderr, result.stderr
+    expected = (message,) if isinstance(message, str) else message
+    assert lines and any(text in lines[0] for text in expected), result.stderr
+    if name not in HYDRA_ROWS:
+        assert len(lines) == 1, result.stderr
+    assert written == [], written
