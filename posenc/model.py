@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from posenc.attention import get_backend
+from posenc import decoding, probe
+from posenc.attention import decoding_backend, get_backend
 from posenc.encodings import build, scheme_class, stack_members
 from posenc.encodings.base import PositionalEncoding
 
@@ -37,10 +38,21 @@ class Attention(nn.Module):
         self.backend_name = backend
         self.backend = get_backend(backend)
 
-    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
+    def project(
+        self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Rotated q (B, H, Lq, D), rotated k and v (B, H, Lk, D) over every visible position, and those positions."""
         q, k, v = rearrange(self.qkv(x), "b l (three h d) -> three b h l d", three=3, h=self.heads)
-        q, k = self.encoding.rotate(q, k, pos, pos)
-        out = self.backend(q, k, v, self.encoding, pos, pos)  # (B, H, L, D)
+        k_pos = pos
+        if cache is not None:  # keys are cached unrotated and rotated with the new queries (see posenc/decoding.py)
+            k, v, k_pos = cache.extend(k, v, pos)
+        q, k = self.encoding.rotate(q, k, pos, k_pos)
+        return q, k, v, k_pos
+
+    def forward(self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None) -> Tensor:
+        q, k, v, k_pos = self.project(x, pos, cache)
+        backend = self.backend if cache is None else get_backend(decoding_backend(self.backend_name))
+        out = backend(q, k, v, self.encoding, pos, k_pos)  # (B, H, Lq, D)
         return self.proj(rearrange(out, "b h l d -> b l (h d)"))
 
 
@@ -59,8 +71,8 @@ class Block(nn.Module):
         )
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, pos: Tensor) -> Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), pos))
+    def forward(self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None) -> Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), pos, cache))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -233,18 +245,36 @@ class Decoder(nn.Module):
             if isinstance(module, PositionalEncoding) and module is not self:
                 module.constrain_()
 
-    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, tokens: Tensor, offset: int = 0, cache: decoding.KVCache | None = None) -> Tensor:
+        """Logits (B, L, V); with a ``cache``, ``tokens`` continue the cached ones (positions from ``cache.length``)."""
         length = tokens.shape[1]
+        if cache is not None:
+            offset = cache.length
         self.check_length(offset + length)
         pos = torch.arange(offset, offset + length, device=tokens.device)
         x = self.token_embedding(tokens)
         if self.input_encoding is not None:
             x = self.input_encoding.embed(x, pos)
-        for block in self.blocks:
-            x = block(x, pos)
+        for index, block in enumerate(self.blocks):
+            x = block(x, pos) if cache is None else block(x, pos, cache.layers[index])
         return self.head(self.norm(x))
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy in nats, computed in fp32."""
         logits = self(tokens)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def generate(
+        self,
+        tokens: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """``tokens`` (B, L) continued by ``max_new_tokens`` tokens with a KV cache (temperature 0: greedy)."""
+        return decoding.generate(self, tokens, max_new_tokens, temperature, top_k, generator)
+
+    def attention_maps(self, tokens: Tensor, layer: int) -> Tensor:
+        """Layer ``layer``'s attention probabilities (B, H, L, L) for short ``tokens`` (B, L), from the reference."""
+        return probe.attention_maps(self, tokens, layer)

@@ -22,7 +22,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate import RESULTS_FILE
+from posenc.evaluate.attention_stats import mean_by_length
 from posenc.identity import columns
 from posenc.runs import FAILED_FILE
 
@@ -140,10 +142,10 @@ def _value(run: dict[str, Any], length: int, field: str) -> float | None:
     return None
 
 
-def task_tables(results: list[dict[str, Any]]) -> str:
-    """Passkey (mean over depths) and copy accuracy by length, per training length."""
+def task_tables(results: list[dict[str, Any]], tasks: Sequence[str] = ("passkey", "copy")) -> str:
+    """Accuracy of each task by length (passkey: mean over depths), per training length."""
     out = []
-    for task in ("passkey", "copy"):
+    for task in tasks:
         by_len = _task_columns(results, task)
         for train_len, by_label in sorted(by_len.items()):
             labels = _order(by_label)
@@ -204,12 +206,12 @@ def _depth_table(
     return out
 
 
-def task_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+def task_plots(results: list[dict[str, Any]], out_dir: Path, tasks: Sequence[str] = ("passkey", "copy")) -> list[Path]:
     """Accuracy vs length, one line per scheme, per task and training length."""
     from posenc.evaluate.plots import plot_lines  # matplotlib only when plotting
 
     images = []
-    for task in ("passkey", "copy"):
+    for task in tasks:
         for train_len, by_label in sorted(_task_columns(results, task).items()):
             series = {}
             for label in _order(by_label):
@@ -303,7 +305,9 @@ def build_report(results: list[dict[str, Any]], out_dir: Path, make_plots: bool 
     tasks = task_tables(results)
     if tasks:
         sections += ["", tasks]
+    sections += retrieval_and_attention_sections(results)
     images = plots(groups, out_dir) + task_plots(results, out_dir) if make_plots else []
+    images += retrieval_and_attention_plots(results, out_dir) if make_plots else []
     if images:
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
     markdown = "\n".join(sections).rstrip() + "\n"
@@ -353,6 +357,101 @@ def results_from_wandb(path: str, group: str | None) -> list[dict[str, Any]]:
                 }
             )
     return results
+
+
+# --- retrieval tasks and attention statistics (issue 17) ----------------------------------------------------------
+
+
+def _attention_groups(results: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, list[dict[str, Any]]]]:
+    """{(train_len, data): {column: runs}} for runs with attention statistics; text and each task apart.
+
+    Columns pool runs by identity (``posenc/identity.py``), as the perplexity tables do.
+    """
+    by_group: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    for run in results:
+        if run.get("attention_stats") and not run.get("failed"):
+            data = run.get("data") or {}
+            by_group[(int(run["train_len"]), str(data.get("task") or data.get("corpus") or "?"))].append(run)
+    return {group: columns(runs) for group, runs in by_group.items()}
+
+
+def _attention_means(run: dict[str, Any], stat: str) -> dict[int, float]:
+    """{length: the statistic averaged over layers and heads} of one run."""
+    lengths, means = mean_by_length(run["attention_stats"], stat)
+    return dict(zip(lengths, means, strict=True))
+
+
+ATTENTION_STATS = {
+    "sink": "Sink mass: attention probability on the window's first token",
+    "distance": "Mean attended distance in tokens",
+    "entropy": "Attention entropy in nats",
+}
+
+
+def attention_tables(results: list[dict[str, Any]]) -> str:
+    """Sink mass, mean attended distance and entropy by length (mean over layers and heads), one column per scheme."""
+    out = []
+    for (train_len, data), by_label in sorted(_attention_groups(results).items()):
+        labels = _order(by_label)
+        lengths = sorted({n for runs in by_label.values() for run in runs for n in _attention_means(run, "sink")})
+        for stat, what in ATTENTION_STATS.items():
+            out += [
+                f"## Attention: {stat} by length, trained at L={train_len} on {data}",
+                "",
+                f"{what}, averaged over every layer, head and query (but each window's first), mean ± std over seeds. "
+                "Per layer × head: each run's eval/attention_stats.csv and attention_heatmaps.png.",
+                "",
+                "| length | ×L | " + " | ".join(f"{label} (n={len(by_label[label])})" for label in labels) + " |",
+                "|---:|---:|" + "---:|" * len(labels),
+            ]
+            for length in lengths:
+                cells = [
+                    _cell([_attention_means(run, stat).get(length) for run in by_label[label]], digits=3)
+                    for label in labels
+                ]
+                out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
+def attention_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Sink mass and mean attended distance vs length, one line per scheme, per training length and data."""
+    from posenc.evaluate.plots import plot_lines  # matplotlib only when plotting
+
+    images = []
+    for (train_len, data), by_label in sorted(_attention_groups(results).items()):
+        for stat, ylabel, logy in (("sink", "sink mass", False), ("distance", "mean attended distance", True)):
+            series = {}
+            for label in _order(by_label):
+                per_run = [_attention_means(run, stat) for run in by_label[label]]
+                lengths = sorted({n for means in per_run for n in means})
+                stats = [_mean_std([means.get(n) for means in per_run]) for n in lengths]
+                series[label] = (lengths, [m for m, _, _ in stats], [sd for _, sd, _ in stats])
+            images.append(
+                plot_lines(
+                    series,
+                    out_dir / f"attention_{stat}_L{train_len}_{data}.png",
+                    f"{ylabel} vs length, mean over layers and heads (trained at L={train_len} on {data})",
+                    "evaluation length (tokens)",
+                    ylabel,
+                    train_len=train_len,
+                    logy=logy,
+                )
+            )
+    return images
+
+
+def retrieval_and_attention_sections(results: list[dict[str, Any]]) -> list[str]:
+    """Report sections for the retrieval tasks (multikey, vartrack, assoc) and the attention statistics."""
+    sections = []
+    for text in (task_tables(results, tuple(RETRIEVAL_TASKS)), attention_tables(results)):
+        if text:
+            sections += ["", text]
+    return sections
+
+
+def retrieval_and_attention_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    return task_plots(results, out_dir, tuple(RETRIEVAL_TASKS)) + attention_plots(results, out_dir)
 
 
 class ReportOnSweepEnd(Callback):

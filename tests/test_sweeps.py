@@ -216,3 +216,16 @@ def test_sweep_jobs_log_into_the_sweep_group_under_a_stable_id(tmp_path: Path, m
     assert (init["name"], init["group"], init["resume"]) == ("alibi-L32-s0", "smoke-2026", "allow")
     assert init["id"] == wandb_run_id("smoke-2026", "alibi-L32-s0") != wandb_run_id("smoke-2026", "rope-L32-s0")
     assert init["tags"] == ["L32", "alibi", "seed0"]
+
+
+def test_retrieval_sweep_gives_each_scheme_and_task_its_own_job(tmp_path: Path) -> None:
+    listing = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", "retrieval"]
+    result = launch(tmp_path, command=listing)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = [Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")]
+    expected = {
+        f"{scheme}-{task}-L64-s0"
+        for scheme in ("alibi", "rope", "nope", "kerple_log", "t5")
+        for task in ("multikey", "vartrack", "assoc")
+    }
+    assert len(names) == len(expected) and set(names) == expected

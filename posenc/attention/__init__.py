@@ -18,14 +18,30 @@ from posenc.encodings.base import PositionalEncoding
 Backend = Callable[[Tensor, Tensor, Tensor, PositionalEncoding, Tensor, Tensor], Tensor]
 
 _BACKENDS: dict[str, Backend] = {}
+# Backends that accept queries at a suffix of the key positions (Lq < Lk, q_pos = k_pos[-Lq:]), as cached
+# decoding calls them: new queries over every cached key.
+_QUERY_SUFFIX: set[str] = set()
+# What cached decoding uses when the model's backend cannot take a query suffix (flex's kernel is self-attention
+# over one window): exact for every scheme, with a (Lq × Lk) mask that is one row per decoded token.
+DECODING_FALLBACK = "sdpa"
 
 
-def register_backend(name: str) -> Callable[[Backend], Backend]:
+def register_backend(name: str, *, query_suffix: bool = False) -> Callable[[Backend], Backend]:
+    """Register a backend; ``query_suffix`` declares that it accepts Lq < Lk (new queries over cached keys)."""
+
     def decorator(fn: Backend) -> Backend:
         _BACKENDS[name] = fn
+        if query_suffix:
+            _QUERY_SUFFIX.add(name)
         return fn
 
     return decorator
+
+
+def decoding_backend(name: str) -> str:
+    """The backend cached decoding uses for a model built with ``name``: itself if it takes a query suffix."""
+    _load()
+    return name if name in _QUERY_SUFFIX else DECODING_FALLBACK
 
 
 def available_backends() -> list[str]:
@@ -46,4 +62,4 @@ def _load() -> None:
     from posenc.attention import auto, eager, flex, flex_learnable, sdpa, triton_table  # noqa: F401 - registration
 
 
-__all__ = ["Backend", "available_backends", "get_backend", "register_backend"]
+__all__ = ["Backend", "available_backends", "decoding_backend", "get_backend", "register_backend"]

@@ -1,4 +1,8 @@
-"""The reference backend: the textbook formula, dense and in fp32. Obviously correct, O(L²) memory."""
+"""The reference backend: the textbook formula, dense and in fp32. Obviously correct, O(L²) memory.
+
+``attention_weights`` is the same formula stopped at the probabilities: what attention maps and attention
+statistics read, so they show exactly what the reference computes.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,18 @@ from posenc.attention import register_backend
 from posenc.encodings.base import PositionalEncoding
 
 
-@register_backend("eager")
-def eager_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
-) -> Tensor:
+def attention_weights(q: Tensor, k: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """fp32 causal attention probabilities (B, H, Lq, Lk) of rotated q (B, H, Lq, D) over rotated k (B, H, Lk, D)."""
     scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
     bias = encoding.bias(q_pos, k_pos)  # (H, Lq, Lk), added before the mask and before the softmax
     if bias is not None:
         scores = scores + bias
     causal = k_pos[None, :] <= q_pos[:, None]
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(dim=-1), v.float()).to(q.dtype)
+    return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+
+
+@register_backend("eager", query_suffix=True)
+def eager_attention(
+    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+) -> Tensor:
+    return torch.einsum("bhqk,bhkd->bhqd", attention_weights(q, k, encoding, q_pos, k_pos), v.float()).to(q.dtype)

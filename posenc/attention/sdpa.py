@@ -21,7 +21,7 @@ from posenc.encodings.base import PositionalEncoding
 MAX_MASK_ELEMENTS = 1 << 24  # per head: 16M entries, 64 MiB in fp32
 
 
-@register_backend("sdpa")
+@register_backend("sdpa", query_suffix=True)
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:

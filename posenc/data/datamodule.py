@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from posenc.data.cache import tokenized_splits
 from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
-from posenc.data.tasks import TaskDataset
+from posenc.data.retrieval import task_dataset
 from posenc.data.tokenizer import ByteTokenizer
 
 
@@ -149,7 +149,7 @@ class TextDataModule(_WindowDataModule):
 
 
 class TaskDataModule(_WindowDataModule):
-    """A synthetic task (``passkey`` or ``copy``) generated on the fly at the training length."""
+    """A synthetic task (passkey, copy, or a retrieval task of ``retrieval.py``) generated at the training length."""
 
     def __init__(
         self,
@@ -168,8 +168,8 @@ class TaskDataModule(_WindowDataModule):
         return {"task": self.task, "seed": self.seed}
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(TaskDataset(self.task, self.seq_len, self.num_samples, self.seed, self.start_sample))
+        return self._loader(task_dataset(self.task, self.seq_len, self.num_samples, self.seed, self.start_sample))
 
     def val_dataloader(self) -> DataLoader:
         # A different seed stream from training: validation keys are never training keys.
-        return self._loader(TaskDataset(self.task, self.seq_len, self.val_samples, self.seed + 1_000_003))
+        return self._loader(task_dataset(self.task, self.seq_len, self.val_samples, self.seed + 1_000_003))

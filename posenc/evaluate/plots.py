@@ -80,3 +80,40 @@ def plot_heatmap(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_heatmap_grid(
+    panels: Sequence[Sequence[np.ndarray]],
+    row_names: Sequence[str],
+    col_names: Sequence[str],
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+) -> Path:
+    """A grid of heatmaps (rows × columns of panels, e.g. statistic × length), one colour scale per grid row.
+
+    Sharing the scale along a row makes the panels of one statistic comparable across lengths.
+    """
+    nrows, ncols = len(panels), len(panels[0])
+    height, width = panels[0][0].shape
+    size = (1.5 + ncols * (0.6 + 0.45 * width), 1.0 + nrows * (1.0 + 0.4 * height))
+    fig, axes = plt.subplots(nrows, ncols, figsize=size, squeeze=False, layout="constrained")
+    for r, row in enumerate(panels):
+        low, high = min(float(np.min(m)) for m in row), max(float(np.max(m)) for m in row)
+        for c, matrix in enumerate(row):
+            ax = axes[r][c]
+            image = ax.imshow(matrix, vmin=low, vmax=high, cmap="viridis", aspect="auto", origin="lower")
+            ax.set_xticks(range(width))
+            ax.set_yticks(range(height))
+            ax.set_title(f"{row_names[r]} · {col_names[c]}", fontsize=8)
+            if r == nrows - 1:
+                ax.set_xlabel(xlabel, fontsize=8)
+            if c == 0:
+                ax.set_ylabel(ylabel, fontsize=8)
+        fig.colorbar(image, ax=list(axes[r]), shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

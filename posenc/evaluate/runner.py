@@ -21,11 +21,16 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from posenc.compiling import eager_blocks
+from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate import RESULTS_FILE
+from posenc.evaluate.attention_stats import attention_plots, attention_stats_by_length, attention_summary, stats_windows
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
+from posenc.evaluate.retrieval import evaluate_retrieval_tasks
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.jsonio import dumps
+
+TASK_NAMES = ("passkey", "copy", *RETRIEVAL_TASKS)
 
 
 def supported(lengths: list[int], model: nn.Module) -> list[int]:
@@ -92,6 +97,15 @@ def _evaluate(
                 )
             else:
                 results["copy"] = evaluate_copy(model, task_lengths, options["samples"], seed, batch_tokens)
+    results |= evaluate_retrieval_tasks(
+        model, eval_cfg, task, lambda multiples: supported([int(m * train_len) for m in multiples], model), batch_tokens
+    )
+    if eval_cfg.get("attention_stats"):
+        windows_for = stats_windows(stream, task, int(eval_cfg.get("attention_stats_tokens", 4096)), seed)
+        stats_lengths = [n for n in supported(lengths, model) if stream is None or n < len(stream)]
+        results["attention_stats"] = attention_stats_by_length(
+            model, stats_lengths, windows_for, train_len, batch_tokens
+        )
     results["summary"] = summary_metrics(results)
     return results
 
@@ -113,12 +127,14 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
             if row["ratio"] is not None:
                 out[f"ppl_ratio@{tag}"] = row["ratio"]
     train_len = results["train_len"]
-    for name in ("passkey", "copy"):
+    for name in TASK_NAMES:
         by_length: dict[int, list[float]] = {}
         for row in results.get(name, []):
             by_length.setdefault(row["length"], []).append(row["accuracy"])
         for length, accs in by_length.items():
             out[f"{name}_acc@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
+    for (stat, length), value in attention_summary(results.get("attention_stats") or []).items():
+        out[f"attn_{stat}@{_multiple_tag(length / train_len)}"] = value
     return out
 
 
@@ -195,20 +211,26 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
                     grid, depths, lengths, out_dir / "passkey.png", f"{label}: passkey accuracy", "length", "depth"
                 )
             )
-    if "copy" in results:
-        _write_csv(out_dir / "copy.csv", results["copy"])
+    for name in ("copy", *RETRIEVAL_TASKS):
+        if name not in results:
+            continue
+        _write_csv(out_dir / f"{name}.csv", results[name])
         if plots:
-            rows = results["copy"]
+            rows = results[name]
             images.append(
                 plot_lines(
                     {label: ([r["length"] for r in rows], [r["accuracy"] for r in rows], None)},
-                    out_dir / "copy.png",
-                    f"{label}: copy accuracy",
+                    out_dir / f"{name}.png",
+                    f"{label}: {name} accuracy",
                     "length",
                     "exact-match accuracy",
                     train_len=train_len,
                 )
             )
+    if "attention_stats" in results:
+        _write_csv(out_dir / "attention_stats.csv", results["attention_stats"])
+        if plots:
+            images += attention_plots(results["attention_stats"], label, train_len, out_dir)
     return images
 
 
@@ -238,10 +260,17 @@ def print_results(results: dict[str, Any]) -> None:
                 ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
                 figures = f"{r['loss']:>8.4f} {r['ppl']:>9.3f} {r['bpb']:>9.4f} {ratio:>7}"
                 print(f"  {r['length']:>7} {r['multiple']:>5g} {figures}")
-    for name in ("passkey", "copy"):
+    for name in TASK_NAMES:
         if name in results:
             accs = {k: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
             print(f"{name} accuracy by length: " + ", ".join(f"{k.split('@')[1]} {v:.2f}" for k, v in accs.items()))
+    for stat in ("sink", "distance"):
+        values = {k: v for k, v in results["summary"].items() if k.startswith(f"attn_{stat}@")}
+        if values:
+            print(
+                f"attention {stat} (mean over layers and heads) by length: "
+                + ", ".join(f"{k.split('@')[1]} {v:.3g}" for k, v in values.items())
+            )
 
 
 def log_results(results: dict[str, Any], loggers: list[Logger], images: list[Path], step: int) -> None:
@@ -275,7 +304,7 @@ def log_results(results: dict[str, Any], loggers: list[Logger], images: list[Pat
                     columns=["position", "loss"], data=[[float(a), float(b)] for a, b in zip(x, y, strict=True)]
                 )
                 run.log({"eval/loss_by_position": wandb.plot.line(curve, "position", "loss", title="loss by position")})
-        for name in ("passkey", "copy"):
+        for name in (*TASK_NAMES, "attention_stats"):
             if name in results:
                 rows = results[name]
                 run.log(

@@ -1,0 +1,134 @@
+"""Cached incremental decoding equals the full forward, for every scheme, a stack and a schedule; the notebook maps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SCHEMES
+
+from posenc.attention import available_backends, decoding_backend, get_backend
+from posenc.attention.eager import attention_weights
+from posenc.decoding import KVCache
+from posenc.model import Decoder
+
+VOCAB = 40
+TRAIN_LEN = 12  # the nominal training length: decoding goes to 4× it
+COMPOSED = ["rope+alibi", ["alibi", "rope"]]
+
+
+def tiny(encoding, **kwargs) -> Decoder:
+    if encoding == "learned":
+        encoding = {"name": "learned", "max_positions": 4 * TRAIN_LEN}
+    kwargs = {"vocab_size": VOCAB, "dim": 32, "depth": 2, "heads": 4, "attention": "sdpa", **kwargs}
+    model = Decoder(encoding=encoding, **kwargs).eval()
+    with torch.no_grad():  # learnable biases start at zero or near it: make them matter
+        for name, param in model.named_parameters():
+            if ".encoding." in name or "input_encoding" in name:
+                param.add_(0.3 * torch.randn_like(param)).abs_()
+    model.constrain_()
+    return model
+
+
+def cached_logits(model: Decoder, tokens: torch.Tensor, prompt: int, chunk: int = 1) -> torch.Tensor:
+    """The prompt in one call, then ``chunk`` tokens per call over the cache."""
+    cache = KVCache(len(model.blocks))
+    with torch.no_grad():
+        parts = [model(tokens[:, :prompt], cache=cache)]
+        for start in range(prompt, tokens.shape[1], chunk):
+            parts.append(model(tokens[:, start : start + chunk], cache=cache))
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("name", [*SCHEMES, *COMPOSED], ids=str)
+def test_cached_decoding_matches_the_full_forward_past_the_training_length(name) -> None:
+    model = tiny(name)
+    tokens = torch.randint(0, VOCAB, (2, 4 * TRAIN_LEN))
+    with torch.no_grad():
+        full = model(tokens)
+    torch.testing.assert_close(cached_logits(model, tokens, TRAIN_LEN), full, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(cached_logits(model, tokens, 5, chunk=7), full, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_cached_decoding_works_from_a_model_built_with_any_backend(backend: str) -> None:
+    model = tiny("rope+alibi", attention=backend)
+    tokens = torch.randint(0, VOCAB, (1, 3 * TRAIN_LEN))
+    with torch.no_grad():
+        full = model(tokens)
+    torch.testing.assert_close(cached_logits(model, tokens, TRAIN_LEN), full, atol=2e-5, rtol=1e-4)
+
+
+def test_decoding_backend_follows_what_backends_declare() -> None:
+    encoding = tiny("alibi").blocks[0].attn.encoding
+    q, k, v = torch.randn(3, 1, 4, 5, 8).unbind(0)
+    q, pos = q[:, :, -2:], torch.arange(5)
+    reference = attention_weights(q, k, encoding, pos[-2:], pos) @ v
+    for name in available_backends():
+        # The chosen backend takes a query suffix over the whole window, and agrees with the dense reference.
+        out = get_backend(decoding_backend(name))(q, k, v, encoding, pos[-2:], pos)
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert decoding_backend("eager") == "eager" and decoding_backend("flex") != "flex"
+
+
+def test_greedy_generation_is_the_argmax_of_the_full_forward() -> None:
+    model = tiny("alibi")
+    prompt = torch.randint(0, VOCAB, (2, 6))
+    out = model.generate(prompt, max_new_tokens=12, temperature=0)
+    assert out.shape == (2, 18) and torch.equal(out[:, :6], prompt)
+    with torch.no_grad():
+        for t in range(6, 18):
+            assert torch.equal(model(out[:, :t])[:, -1].argmax(-1), out[:, t])
+
+
+def test_sampling_is_seeded_and_top_k_limits_the_choice() -> None:
+    model = tiny("rope")
+    prompt = torch.randint(0, VOCAB, (3, 4))
+    first = model.generate(prompt, 10, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(1))
+    again = model.generate(prompt, 10, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(first, again)
+    one = model.generate(prompt, 10, temperature=1.0, top_k=1)
+    assert torch.equal(one, model.generate(prompt, 10, temperature=0))
+
+
+def test_absolute_embeddings_refuse_to_decode_past_max_positions() -> None:
+    model = tiny("learned")
+    prompt = torch.randint(0, VOCAB, (1, 44))
+    assert model.generate(prompt, 5, temperature=0).shape == (1, 49)  # 48 positions: the last token is not fed
+    with pytest.raises(ValueError, match="learned supports at most 48 positions but got a sequence of 49"):
+        model.generate(prompt, 6, temperature=0)
+
+
+def test_generation_errors_are_clear() -> None:
+    model = tiny("nope")
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="temperature must be"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 3, temperature=-1)
+
+
+@pytest.mark.parametrize("name", [*SCHEMES, *COMPOSED], ids=str)
+def test_attention_maps_are_the_layers_probabilities(name) -> None:
+    model = tiny(name)
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    maps = model.attention_maps(tokens, layer=1)
+    assert maps.shape == (2, 4, 12, 12)
+    torch.testing.assert_close(maps.sum(-1), torch.ones(2, 4, 12))
+    assert torch.all(maps.triu(diagonal=1) == 0)
+    # Replaying layer 1 with these probabilities reproduces the model's logits.
+    attn = model.blocks[1].attn
+    captured = {}
+    hook = attn.register_forward_hook(lambda module, args, out: captured.update(x=args[0], out=out))
+    with torch.no_grad():
+        model(tokens)
+    hook.remove()
+    _, _, v, _ = attn.project(captured["x"], torch.arange(12))
+    replay = attn.proj((maps @ v.float()).transpose(1, 2).flatten(2))
+    torch.testing.assert_close(replay, captured["out"], atol=1e-5, rtol=1e-4)
+
+
+def test_attention_maps_refuse_what_they_cannot_hold() -> None:
+    model = tiny("alibi")
+    with pytest.raises(ValueError, match="layer 3 does not exist"):
+        model.attention_maps(torch.zeros(1, 4, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="too large to return"):
+        model.attention_maps(torch.zeros(4, 4096, dtype=torch.long), 0)
