@@ -127,12 +127,13 @@ def run_training(check: Check, timeout: float, device: str) -> Check:
 
     On CUDA, torch's warning that FlexAttention ran uncompiled is an error (on CPU that path is the only one).
     """
-    check.run_dir.mkdir(parents=True, exist_ok=True)
+    check.run_dir.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "posenc.train", *check.overrides, f"hydra.run.dir={check.run_dir}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     if device == "cuda":
         env["PYTHONWARNINGS"] = f"error:{FALLBACK_WARNING}:UserWarning"
-    log = check.run_dir / "train.log"
+    # Beside the run directory, not in it: a run refused before its first step leaves no directory behind.
+    log = check.run_dir.parent / f"{check.run_dir.name}.log"
     started = time.perf_counter()
     with log.open("w") as handle:
         try:
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         futures = [pool.submit(run_training, check, args.timeout, args.device) for check in checks]
         for future in as_completed(futures):
             check = future.result()
-            status = "ok" if check.ok else f"FAILED ({check.error or 'see its train.log'})"
+            status = "ok" if check.ok else f"FAILED ({check.error or 'see its log'})"
             print(f"{check.name}: {status} in {check.seconds:.0f} s", flush=True)
         tests_passed, tests_summary = tests.result() if tests is not None else (True, "not run (--no-tests)")
     print(f"\nGPU tests: {'passed' if tests_passed else 'FAILED'}: {tests_summary}")
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [check.name for check in checks if not check.ok]
     elapsed = time.perf_counter() - started
     verdict = "FAILED: " + ", ".join(failed) if failed else "every config trained and evaluated"
-    print(f"\n{verdict}; {elapsed:.0f} s in all; logs: {out}/<config>/train.log", flush=True)
+    print(f"\n{verdict}; {elapsed:.0f} s in all; logs: {out}/<config>.log", flush=True)
     return 1 if failed or not tests_passed else 0
 
 
