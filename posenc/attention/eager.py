@@ -19,6 +19,8 @@ def eager_attention(
     bias = encoding.bias(q_pos, k_pos)  # (H, Lq, Lk), added before the mask and before the softmax
     if bias is not None:
         scores = scores + bias
+    if encoding.adds_content_bias:  # (B, H, Lq, Lk): reads q and k, so it is not a position table
+        scores = scores + encoding.content_bias(q, k, q_pos, k_pos)
     causal = k_pos[None, :] <= q_pos[:, None]
     scores = scores.masked_fill(~causal, float("-inf"))
     return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(dim=-1), v.float()).to(q.dtype)

@@ -33,7 +33,7 @@ from posenc.attention.bias_grad import (
     table_gradient,
     with_log_factor,
 )
-from posenc.attention.flex import check_self_attention, flex_run, shifted
+from posenc.attention.flex import check_self_attention, flex_run, refuse_content_bias, shifted
 from posenc.attention.sdpa import sdpa_with_bias
 from posenc.encodings.base import DerivativeForm, PositionalEncoding, ScoreMod, TableForm
 
@@ -72,8 +72,10 @@ def supports(encoding: PositionalEncoding) -> bool:
     """True when the scheme declares usable gradient forms for its bias (or has no trainable bias at all).
 
     Table forms need the whole bias as a function of distance (the band's scores), so they require every bias
-    in the scheme to be distance-only.
+    in the scheme to be distance-only. A content-dependent bias is never supported (a score_mod cannot read it).
     """
+    if encoding.adds_content_bias:
+        return False
     forms = encoding.bias_gradient_forms()
     return forms is not None and (encoding.distance_only or not any(isinstance(f, TableForm) for f in forms))
 
@@ -134,6 +136,7 @@ def constant_bias_attention(
 def flex_learnable_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
+    refuse_content_bias(encoding, "flex_learnable")
     check_self_attention(q, k, q_pos, k_pos)
     if not supports(encoding):
         raise ValueError(
