@@ -1,5 +1,6 @@
-"""Data-dependent ALiBi: the Forgetting Transformer's forget gate (Lin et al., 2025, "Forgetting Transformer:
-Softmax Attention with a Forget Gate") as a content-dependent attention bias.
+"""Data-dependent ALiBi: the forget gate of the Forgetting Transformer as a content-dependent attention bias.
+
+Lin et al., 2025, "Forgetting Transformer: Softmax Attention with a Forget Gate" (FoX).
 
 FoX gives every token t a scalar forget gate per head, f_t = σ(w_h · x_t + b_h), and adds the cumulative log-gates
 between key and query to the scores (its Eq. 6–7):
@@ -28,6 +29,7 @@ from posenc.encodings import register
 from posenc.encodings.alibi import alibi_slopes
 from posenc.encodings.base import PositionalEncoding
 
+
 @register
 class DataDependentALiBi(PositionalEncoding):
     """Per-token learned decay (a forget gate read from the key); cumulative log-gates as the bias."""
@@ -43,7 +45,7 @@ class DataDependentALiBi(PositionalEncoding):
         self.gate_bias = nn.Parameter((-torch.log(torch.expm1(slopes))).float())
 
     def log_gates(self, k: Tensor) -> Tensor:
-        """log f (B, H, Lk) in fp32 from keys (B, H, Lk, D)."""
+        """Log f (B, H, Lk) in fp32 from keys (B, H, Lk, D)."""
         logits = torch.einsum("bhkd,hd->bhk", k.float(), self.gate_weight.float()) + self.gate_bias.float()[:, None]
         return F.logsigmoid(logits)
 
@@ -56,4 +58,3 @@ class DataDependentALiBi(PositionalEncoding):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, initial decay=ALiBi slopes (σ(b) = e^-m), gate from k"
-

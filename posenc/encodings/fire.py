@@ -60,7 +60,14 @@ class FIRE(PositionalEncoding):
         return self.mlp(x).permute(2, 0, 1)  # (H, Lq, Lk)
 
     def score_mod(self, detached: bool = False) -> ScoreMod:
-        params = [self.c, self.threshold_multiplier, self.hidden.weight, self.hidden.bias, self.out.weight, self.out.bias]
+        params = [
+            self.c,
+            self.threshold_multiplier,
+            self.hidden.weight,
+            self.hidden.bias,
+            self.out.weight,
+            self.out.bias,
+        ]
         if detached:
             params = [p.detach() for p in params]
         c, multiplier, w1, b1, w2, b2 = params

@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import CONF_DIR, to_container
-from posenc.evaluate.runner import evaluate_model, print_results, write_outputs
+from posenc.evaluate.runner import evaluate_model, print_results, scaling_tag, write_outputs
 from posenc.lit import LitDecoder
 
 USAGE = "usage: python -m posenc.evaluate <run dir or checkpoint.ckpt> [eval.multiples=[1,2,4] eval.mode=sliding ...]"
@@ -96,17 +96,25 @@ def _main(cfg: DictConfig) -> None:
     module, config = load_module(checkpoint, device, cfg.attention, cfg.compile)
     check_consistency(config, run_dir, cfg)
     eval_cfg = to_container(cfg.eval)
+    try:
+        scaling = scaling_tag(eval_cfg)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     task = config["data"].get("task")
     datamodule = build_datamodule(config, num_samples=1)
     stream = None if task else datamodule.stream(eval_cfg["split"])
     info = run_info(config, module.model.label, datamodule.describe())
-    results = evaluate_model(module.model, run_info=info, eval_cfg=eval_cfg, stream=stream, task=task)
+    try:
+        results = evaluate_model(module.model, run_info=info, eval_cfg=eval_cfg, stream=stream, task=task)
+    except ValueError as err:  # a setting the model cannot honour (e.g. RoPE scaling of a model without RoPE)
+        raise SystemExit(str(err)) from None
     if cfg.out_dir:
         out_dir = Path(cfg.out_dir)
-    elif eval_cfg["mode"] == "sliding":
-        out_dir = run_dir / f"eval_sliding_s{eval_cfg['stride']}"
     else:
-        out_dir = run_dir / "eval"
+        name = f"eval_sliding_s{eval_cfg['stride']}" if eval_cfg["mode"] == "sliding" else "eval"
+        if scaling is not None:  # its own directory: a scaled evaluation never overwrites the plain one
+            name += f"_{eval_cfg['rope_scaling']}x{float(eval_cfg['rope_scaling_factor']):g}"
+        out_dir = run_dir / name
     images = write_outputs(results, out_dir, plots=eval_cfg["plots"])
     print_results(results)
     print(f"\nwrote {out_dir}/results.json and {len(images)} plot(s)")
