@@ -13,8 +13,8 @@ compile (``../shared/notes/learnable-bias-gradient.md``). This backend splits th
 
 The split is an identity-valued autograd node on the attention output: its forward returns O unchanged, its
 backward passes dO through to the attention (for q, k, v) and returns the parameters' gradients. The backend asks
-the scheme what it declares and never names one; a learnable scheme that declares nothing is refused here (``auto``
-then keeps ``flex``). Positions are the self-attention window's, as in ``flex``.
+the scheme what it declares and never names one; a learnable scheme that declares nothing is refused here when
+gradients are on (``auto`` then keeps ``flex``). Positions are the self-attention window's, as in ``flex``.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def flex_learnable_attention(
 ) -> Tensor:
     refuse_content_bias(encoding, "flex_learnable")
     check_self_attention(q, k, q_pos, k_pos)
-    if not supports(encoding):
+    if not supports(encoding) and torch.is_grad_enabled():  # without gradients the forward needs no forms
         raise ValueError(
             f"attention=flex_learnable needs a scheme whose learnable bias declares bias_gradient_forms (distance-only "
             f"for tables); {encoding.label} does not. Use attention=flex or attention=sdpa."
