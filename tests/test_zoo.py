@@ -100,6 +100,7 @@ def test_content_bias_is_causal_and_fp32(name: str) -> None:
 def test_auto_keeps_content_biases_off_flex(name: str) -> None:
     enc = make(name)
     assert choose(enc, is_cuda=True) == choose(enc, is_cuda=False) == "sdpa"
+    assert enc.learnable_bias and enc.bias_gradient_forms() is None  # trainable, and no identity applies
     q = torch.randn(1, HEADS, 8, HEAD_DIM)
     pos = torch.arange(8)
     for backend in ("flex", "flex_learnable"):

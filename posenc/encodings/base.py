@@ -123,7 +123,7 @@ class PositionalEncoding(nn.Module):
     @property
     def learnable_bias(self) -> bool:
         """True when the bias has trainable parameters, which changes how fast backends differentiate it."""
-        return self.adds_bias and any(p.requires_grad for p in self.parameters())
+        return (self.adds_bias or self.adds_content_bias) and any(p.requires_grad for p in self.parameters())
 
     @property
     def distance_only(self) -> bool:
