@@ -7,8 +7,9 @@ slopes, compresses it per head by r_h = 8h/H (h = 1..H):
 
     b_h(d) = (Σ_{k=1}^{d'/2} cos(d · ω_k) − d'/2) / (8h/H)
 
-The sum decays with distance like a log-shaped penalty until the slowest frequencies wrap (past ~10000), which is
-the paper's point: its receptive field behaves like ALiBi's and KERPLE's. ``dim`` is d' (the paper: 128).
+The bias falls quickly over the first distances, then keeps falling slowly (roughly logarithmically) towards
+−(d'/2)/r_h as ever slower cosines dephase: a decaying penalty like ALiBi's and KERPLE's, which is the paper's
+point about their shared receptive field. ``dim`` is d' (the paper: 128).
 """
 
 from __future__ import annotations
