@@ -13,7 +13,8 @@ rather than from x_t: k_{h,t} = W_{K,h} x_t, so this is FoX's gate with its weig
 w_f = W_{K,h}ᵀ w_h (a vector in the span of that head's key projection, head_dim of the model's dim directions)
 instead of a free vector. What it buys: everything the bias needs per token lives in the key, so a KV-cached
 decoder, which calls attention with new queries over every cached key, computes exactly the same bias from the
-cache alone. (In a stack after a rotary scheme, the key it reads is the rotated one.)
+cache alone. (In a stack with a rotary scheme the gate reads the rotated key, which makes it depend on absolute
+position: such a stack is no longer shift-invariant.)
 
 The gates' biases are initialised so that σ(b_h) = e^(−m_h) with ALiBi's slopes m_h and w_h = 0: the scheme
 starts as ALiBi and learns its data dependence.
