@@ -270,6 +270,8 @@ def test_rope_scaling_errors() -> None:
     with pytest.raises(ValueError, match="factor must be ≥ 1"):
         enc.set_context_scaling("pi", 0.5, 64)
     assert not make("alibi").set_context_scaling("yarn", 8, 64)
+    stack = make("rope+alibi")
+    assert stack.set_context_scaling("pi", 2, 64) and stack.parts[0].scaling == ("pi", 2.0)
 
 
 def test_evaluation_with_scaling_gets_its_own_label() -> None:

@@ -95,6 +95,10 @@ class Stack(PositionalEncoding):
             forms += member_forms
         return forms
 
+    def set_context_scaling(self, method: str, factor: float, original_length: int) -> bool:
+        scaled = [member.set_context_scaling(method, factor, original_length) for member in self.parts]
+        return any(scaled)
+
     def constrain_(self) -> None:
         for member in self.parts:
             member.constrain_()
