@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from posenc.encodings import register
-from posenc.encodings.base import PositionalEncoding, ScoreMod, distances
+from posenc.encodings.base import PositionalEncoding, ScoreMod
 
 
 @register
@@ -43,7 +43,9 @@ class Sandwich(PositionalEncoding):
         return torch.cos(d[..., None] * self.frequencies).sum(-1) - self.dim / 2
 
     def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        return self.kernel(distances(q_pos, k_pos))[None] / self.compression[:, None, None]  # (H, Lq, Lk)
+        # Through the distance table: d'/2 cosines per distance, not per (i, j) pair (1 GiB of them at L = 2048).
+        d = (q_pos[:, None] - k_pos[None, :]).clamp(min=0)  # (Lq, Lk); j > i is masked anyway
+        return self.distance_bias(int(d.max()) + 1)[:, d]  # (H, Lq, Lk)
 
     def distance_bias(self, num_distances: int) -> Tensor:
         d = torch.arange(num_distances, device=self.frequencies.device, dtype=torch.float32)
