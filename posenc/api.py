@@ -15,8 +15,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from posenc.evaluate.__main__ import check_consistency, load_module, resolve_checkpoint
 from posenc.model import Decoder
+from posenc.runs import check_consistency, load_module, resolve_checkpoint
 
 
 def load_run(path: str | Path, device: str = "cpu", attention: str | None = None) -> tuple[Decoder, dict[str, Any]]:
@@ -25,6 +25,6 @@ def load_run(path: str | Path, device: str = "cpu", attention: str | None = None
     ``attention`` swaps the attention backend (e.g. ``eager``); ``None`` keeps the one the run trained with.
     """
     checkpoint, run_dir = resolve_checkpoint(str(path))
-    module, config = load_module(checkpoint, device, attention, compile_setting=False)
+    module, config = load_module(checkpoint, device, attention)
     check_consistency(config, run_dir, OmegaConf.create({}))
     return module.model, config

@@ -23,6 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import DictConfig, OmegaConf
+
+from posenc.config import to_container
 from posenc.data.tokenizer import ByteTokenizer
 from posenc.jsonio import dumps
 
@@ -361,3 +364,59 @@ def global_rank() -> int:
         if key in os.environ:
             return int(os.environ[key])
     return 0
+
+
+EVALUATE_USAGE = (
+    "usage: python -m posenc.evaluate <run dir or checkpoint.ckpt> [eval.multiples=[1,2,4] eval.mode=sliding ...]"
+)
+
+
+def resolve_checkpoint(target: str) -> tuple[Path, Path]:
+    """(checkpoint file, run directory) for a run directory or a checkpoint path."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        checkpoint = path / "checkpoints" / "last.ckpt"
+        if not checkpoint.exists():
+            raise RunError(f"no checkpoint at {checkpoint}: is {path} a posenc run directory that finished a step?")
+        return checkpoint, path
+    if path.is_file():
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return path, run_dir
+    raise RunError(f"{target} is neither a run directory nor a checkpoint file; {EVALUATE_USAGE}")
+
+
+def check_consistency(trained: dict[str, Any], run_dir: Path, cfg: DictConfig) -> None:
+    """Refuse to evaluate a checkpoint under a config it was not trained with."""
+    saved = run_dir / ".hydra" / "config.yaml"
+    if saved.exists():
+        run_config = _saved_config(saved)
+        for key in ("encoding", "model"):
+            if key in run_config and _plain(run_config[key]) != _plain(trained[key]):
+                raise SystemExit(
+                    f"checkpoint/config mismatch in {key!r}: {run_dir}/.hydra/config.yaml says {run_config[key]} but "
+                    f"the checkpoint was trained with {trained[key]}. The checkpoint was probably copied from another "
+                    "run: point posenc.evaluate at that run's directory."
+                )
+    for key in ("encoding", "model"):
+        asked = OmegaConf.select(cfg, key)
+        if asked is not None and _plain(to_container(asked)) != _plain(trained[key]):
+            raise SystemExit(
+                f"checkpoint/config mismatch in {key!r}: the checkpoint was trained with {trained[key]} but the "
+                f"command asks for {to_container(asked)}. Evaluation always uses the trained model: drop the override."
+            )
+
+
+def _saved_config(path: Path) -> dict[str, Any]:
+    """A run's config.yaml, resolved where it can be (``learned.max_positions: ${data.seq_len}`` → 64)."""
+    loaded = OmegaConf.load(path)
+    try:
+        return OmegaConf.to_container(loaded, resolve=True)  # type: ignore[return-value]
+    except Exception:  # an interpolation that needs Hydra's runtime: compare what is literal
+        return OmegaConf.to_container(loaded, resolve=False)  # type: ignore[return-value]
+
+
+def _plain(value: Any) -> Any:
+    """Compare configs without interpolations (e.g. learned.max_positions: ${data.seq_len} vs 64)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if not (isinstance(v, str) and v.startswith("${"))}
+    return value

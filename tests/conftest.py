@@ -41,6 +41,9 @@ def make(name: str, heads: int = HEADS, head_dim: int = HEAD_DIM, **cfg):
 
 SCHEMES = available()
 BIAS_SCHEMES = [n for n in SCHEMES if make(n).adds_bias]
+# Position biases that are a function of i - j alone (FIRE's also depends on the query position past its threshold).
+DISTANCE_BIAS_SCHEMES = [n for n in BIAS_SCHEMES if make(n).distance_only]
+CONTENT_SCHEMES = [n for n in SCHEMES if make(n).adds_content_bias]
 RELATIVE_SCHEMES = [n for n in SCHEMES if not make(n).absolute]
 
 

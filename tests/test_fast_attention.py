@@ -212,6 +212,11 @@ def test_flex_learnable_forward_matches_eager_for_every_scheme(name: str) -> Non
     enc = make(name)
     pos = torch.arange(29)
     q, k, v = (torch.randn(2, HEADS, 29, HEAD_DIM, requires_grad=True) for _ in range(3))
+    if enc.adds_content_bias:  # a score_mod cannot read q and k: both flex backends refuse, never drop it
+        for backend in ("flex", "flex_learnable"):
+            with pytest.raises(ValueError, match="content-dependent bias"):
+                get_backend(backend)(q, k, v, enc, pos, pos)
+        return
     with torch.no_grad():  # inputs that require grad, as in evaluation of a training model
         got = get_backend("flex_learnable")(q, k, v, enc, pos, pos)
         flex = get_backend("flex")(q, k, v, enc, pos, pos)

@@ -40,6 +40,6 @@ def test_cpu_check_prints_the_table_and_fails_on_a_failed_config(tmp_path: Path)
     assert (trained, evaluated, error) == ("yes", "yes", "") and float(steps_per_s) > 0
     assert float(ppl_1) > 1 and float(ppl_2) > 1
     trained, evaluated, *_, error = (cell.strip() for cell in rows["nope"])
-    assert (trained, evaluated) == ("NO", "NO") and "cannot train on CPU" in error
+    assert (trained, evaluated) == ("NO", "NO") and "trains only on a CUDA GPU" in error
     assert "GPU tests: passed" in done.stdout and "FAILED: nope" in done.stdout
     assert (tmp_path / "alibi" / "train.log").exists()

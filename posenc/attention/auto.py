@@ -7,9 +7,12 @@
   gradients from the identities the scheme declares (``bias_gradient_forms``), avoiding FlexAttention's per-score
   atomics; a learnable scheme that declares none stays on ``flex`` (correct, slow backward);
 - a bias on CPU → ``sdpa`` with the bias as a chunked mask (FlexAttention has no CPU backward, and SDPA is the
-  faster CPU path anyway).
+  faster CPU path anyway);
+- a content-dependent bias (CoPE, DAPE, data-dependent ALiBi), any device → ``sdpa`` with the bias computed per
+  query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it.
 
-The choice reads only what the scheme declares (``adds_bias``, ``learnable_bias``, ``bias_gradient_forms``).
+The choice reads only what the scheme declares (``adds_content_bias``, ``adds_bias``, ``learnable_bias``,
+``bias_gradient_forms``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from posenc.encodings.base import PositionalEncoding
 
 def choose(encoding: PositionalEncoding, is_cuda: bool) -> str:
     """Name of the backend ``auto`` uses for this scheme on this kind of device."""
-    if not encoding.adds_bias or not is_cuda:
+    if encoding.adds_content_bias or not encoding.adds_bias or not is_cuda:
         return "sdpa"
     if encoding.learnable_bias and supports(encoding):
         return "flex_learnable"

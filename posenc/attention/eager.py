@@ -21,6 +21,8 @@ def attention_weights(q: Tensor, k: Tensor, encoding: PositionalEncoding, q_pos:
     bias = encoding.bias(q_pos, k_pos)  # (H, Lq, Lk), added before the mask and before the softmax
     if bias is not None:
         scores = scores + bias
+    if encoding.adds_content_bias:  # (B, H, Lq, Lk): reads q and k, so it is not a position table
+        scores = scores + encoding.content_bias(q, k, q_pos, k_pos)
     causal = k_pos[None, :] <= q_pos[:, None]
     return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
 

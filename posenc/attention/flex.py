@@ -177,6 +177,15 @@ def flex_run(
     return out, aux.lse
 
 
+def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
+    """A score_mod sees positions only: a bias that reads q and k cannot be one, and must not be dropped."""
+    if encoding.adds_content_bias:
+        raise ValueError(
+            f"attention={backend} cannot apply {encoding.label}'s content-dependent bias (it reads queries and keys, "
+            "not only positions); use attention=sdpa, eager or auto"
+        )
+
+
 def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> None:
     if q.shape[-2] != k.shape[-2] or (q_pos is not k_pos and not torch.equal(q_pos, k_pos)):
         raise ValueError("the flex backend handles self-attention over one window (q_pos == k_pos); use eager or sdpa")
@@ -184,6 +193,7 @@ def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> 
 
 @register_backend("flex")
 def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    refuse_content_bias(encoding, "flex")
     check_self_attention(q, k, q_pos, k_pos)
     if not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(

@@ -13,8 +13,8 @@ compile (``../shared/notes/learnable-bias-gradient.md``). This backend splits th
 
 The split is an identity-valued autograd node on the attention output: its forward returns a copy of O, its
 backward passes dO through to the attention (for q, k, v) and returns the parameters' gradients. The backend asks
-the scheme what it declares and never names one; a learnable scheme that declares nothing is refused here (``auto``
-then keeps ``flex``). Positions are the self-attention window's, as in ``flex``.
+the scheme what it declares and never names one; a learnable scheme that declares nothing is refused here when
+gradients are on (``auto`` then keeps ``flex``). Positions are the self-attention window's, as in ``flex``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from posenc.attention.bias_grad import (
     table_gradient,
     with_log_factor,
 )
-from posenc.attention.flex import check_self_attention, flex_run, kernel_options, shifted
+from posenc.attention.flex import check_self_attention, flex_run, kernel_options, refuse_content_bias, shifted
 from posenc.attention.sdpa import sdpa_with_bias
 from posenc.encodings.base import DerivativeForm, PositionalEncoding, ScoreMod, TableForm
 
@@ -77,8 +77,10 @@ def supports(encoding: PositionalEncoding) -> bool:
     """True when the scheme declares usable gradient forms for its bias (or has no trainable bias at all).
 
     Table forms need the whole bias as a function of distance (the band's scores), so they require every bias
-    in the scheme to be distance-only.
+    in the scheme to be distance-only. A content-dependent bias is never supported (a score_mod cannot read it).
     """
+    if encoding.adds_content_bias:
+        return False
     forms = encoding.bias_gradient_forms()
     return forms is not None and (encoding.distance_only or not any(isinstance(f, TableForm) for f in forms))
 
@@ -154,8 +156,9 @@ def constant_bias_attention(
 def flex_learnable_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
+    refuse_content_bias(encoding, "flex_learnable")
     check_self_attention(q, k, q_pos, k_pos)
-    if not supports(encoding):
+    if not supports(encoding) and torch.is_grad_enabled():  # without gradients the forward needs no forms
         raise ValueError(
             f"attention=flex_learnable needs a scheme whose learnable bias declares bias_gradient_forms (distance-only "
             f"for tables); {encoding.label} does not. Use attention=flex or attention=sdpa."

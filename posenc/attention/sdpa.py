@@ -5,6 +5,10 @@ math kernels; to keep memory bounded at long lengths the queries are processed i
 ``max_mask_elements / Lk`` rows, so the mask never exceeds that size per head. The mask is computed in fp32 and
 cast to the activations' dtype, since SDPA requires them to match: under bf16 this rounds the bias (ALiBi
 distances past 256 lose exactness), which is one reason ``auto`` prefers ``flex`` for biased schemes on GPU.
+
+A content-dependent bias (``adds_content_bias``: CoPE, DAPE, data-dependent ALiBi) is one (B, H, Lq, Lk) tensor per
+batch, so its query chunks are sized by ``MAX_CONTENT_ELEMENTS`` over batch and heads together; each chunk's bias
+is computed from that chunk's queries and the keys it may see (the scheme's rows need nothing else).
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from posenc.attention import register_backend
 from posenc.encodings.base import PositionalEncoding
 
 MAX_MASK_ELEMENTS = 1 << 24  # per head: 16M entries, 64 MiB in fp32
+MAX_CONTENT_ELEMENTS = 1 << 22  # over batch and heads: 16 MiB per fp32 temporary (DAPE's MLP holds 8-32 of them)
 
 
 @register_backend("sdpa", query_suffix=True)
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
+    if encoding.adds_content_bias:
+        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos)
     if not encoding.adds_bias:
         if q_pos is k_pos:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -53,4 +60,25 @@ def sdpa_with_bias(
         chunks.append(
             F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, keys], v[:, :, keys], attn_mask=mask.to(q.dtype))
         )
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
+
+
+def sdpa_with_content_bias(
+    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+) -> Tensor:
+    """Causal SDPA with the scheme's content bias (plus its position bias, if any), one query chunk at a time."""
+    self_attention = q_pos is k_pos
+    batch, heads, length, _ = q.shape
+    rows = max(1, MAX_CONTENT_ELEMENTS // (batch * heads * k.shape[-2]))
+    chunks = []
+    for start in range(0, length, rows):
+        end = start + rows
+        keys = slice(0, end) if self_attention else slice(None)  # later keys are all masked for this chunk
+        chunk_q, chunk_k, chunk_v = q[:, :, start:end], k[:, :, keys], v[:, :, keys]
+        chunk_q_pos, chunk_k_pos = q_pos[start:end], k_pos[keys]
+        mask = encoding.content_bias(chunk_q, chunk_k, chunk_q_pos, chunk_k_pos)  # (B, H, rows, keys) fp32
+        if encoding.adds_bias:
+            mask = mask + encoding.bias(chunk_q_pos, chunk_k_pos)
+        mask = mask.masked_fill(chunk_k_pos[None, None, None, :] > chunk_q_pos[None, None, :, None], float("-inf"))
+        chunks.append(F.scaled_dot_product_attention(chunk_q, chunk_k, chunk_v, attn_mask=mask.to(q.dtype)))
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)

@@ -3,6 +3,10 @@
 score_ij += -m_h · (i - j) for j ≤ i. Slopes follow the paper's rule (its Section 3 and the reference code):
 for n heads, n a power of two, m_h = 2^(-8h/n) for h = 1..n; otherwise, with c the largest power of two below
 n, the first c slopes come from the c-head rule and every other slope of the 2c-head rule fills the rest.
+
+``biased_heads`` < n applies ALiBi to a subset of heads (the first ones, with the slopes of the rule for that many
+heads, so they still span 2^(-8/k) .. 2^(-8)) and leaves the others position-free (slope 0, NoPE heads), the
+partial-ALiBi hybrid some long-context models use to keep a few heads free to attend far.
 """
 
 from __future__ import annotations
@@ -35,9 +39,14 @@ class ALiBi(PositionalEncoding):
     name = "alibi"
     adds_bias = True
 
-    def __init__(self, num_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, biased_heads: int | None = None) -> None:
         super().__init__(num_heads, head_dim)
-        self.register_buffer("slopes", torch.tensor(alibi_slopes(num_heads), dtype=torch.float32), persistent=False)
+        biased = num_heads if biased_heads is None else biased_heads
+        if not 1 <= biased <= num_heads:
+            raise ValueError(f"alibi biased_heads must be in 1..{num_heads} (the heads), got {biased_heads}")
+        self.biased_heads = biased
+        slopes = alibi_slopes(biased) + [0.0] * (num_heads - biased)
+        self.register_buffer("slopes", torch.tensor(slopes, dtype=torch.float32), persistent=False)
 
     def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         # (H, 1, 1) * (Lq, Lk) -> (H, Lq, Lk); fp32 so that distances past 256 stay exact under bf16.
@@ -54,3 +63,6 @@ class ALiBi(PositionalEncoding):
             return score - slopes[h] * (q_idx - kv_idx).to(torch.float32)
 
         return alibi
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, biased_heads={self.biased_heads}"

@@ -9,6 +9,15 @@ A scheme *declares* what it does to a decoder and the backbone composes it; noth
   that every fast path is tested against, never the fast path itself.
 - ``score_mod()``: the same bias as a FlexAttention score modification, so no (L × L) tensor is ever built.
 
+Schemes whose bias depends on the *content* of queries and keys (CoPE, DAPE, data-dependent ALiBi) cannot be a
+position table at all; they declare ``adds_content_bias`` and offer a fifth word:
+
+- ``content_bias(q, k, q_pos, k_pos)``: the fp32 bias (B, H, Lq, Lk) computed from the (already rotated) queries
+  and keys. Row i may read only q_i and the keys at positions ≤ q_pos[i], never a key's position index in the
+  tensor: a KV-cached decoder calls attention with new queries over every cached key (Lq ≠ Lk, ``k_pos`` a
+  prefix containing ``q_pos``), and must get exactly the rows the full computation gives. Backends that work from
+  positions alone (FlexAttention's score_mod) refuse such a scheme; eager and sdpa add it chunk by chunk.
+
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
 the O(L²) matrix.
@@ -83,6 +92,7 @@ class PositionalEncoding(nn.Module):
     - ``absolute``: ``embed`` does something, so the scheme acts once on the input, not per layer.
     - ``adds_bias``: ``bias``/``score_mod`` are not ``None``.
     - ``rotates``: ``rotate`` is not the identity.
+    - ``adds_content_bias``: ``content_bias`` is not ``None`` (a bias that reads q and k, not only positions).
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
     """
 
@@ -90,6 +100,7 @@ class PositionalEncoding(nn.Module):
     absolute: ClassVar[bool] = False
     adds_bias: ClassVar[bool] = False
     rotates: ClassVar[bool] = False
+    adds_content_bias: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -112,7 +123,7 @@ class PositionalEncoding(nn.Module):
     @property
     def learnable_bias(self) -> bool:
         """True when the bias has trainable parameters, which changes how fast backends differentiate it."""
-        return self.adds_bias and any(p.requires_grad for p in self.parameters())
+        return (self.adds_bias or self.adds_content_bias) and any(p.requires_grad for p in self.parameters())
 
     @property
     def distance_only(self) -> bool:
@@ -133,6 +144,22 @@ class PositionalEncoding(nn.Module):
         Only entries with ``k_pos <= q_pos`` need to be meaningful: the causal mask removes the rest.
         """
         return None
+
+    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """fp32 bias (B, H, Lq, Lk) from queries (B, H, Lq, D) and keys (B, H, Lk, D), or ``None``.
+
+        Keys come in increasing position order. Row i may depend only on q_i and the keys with ``k_pos <= q_pos[i]``
+        (see the module docstring: a query suffix over cached keys must get the full computation's rows); entries
+        with ``k_pos > q_pos`` are masked by the backend and may hold anything finite.
+        """
+        return None
+
+    def set_context_scaling(self, method: str, factor: float, original_length: int) -> bool:
+        """Stretch the scheme at evaluation to ``factor`` × ``original_length`` positions (RoPE's PI, NTK, YaRN).
+
+        Returns whether the scheme has anything to stretch; setting it again replaces the previous setting.
+        """
+        return False
 
     def score_mod(self, detached: bool = False) -> ScoreMod | None:
         """The bias as a FlexAttention score_mod over (q_idx, kv_idx), or ``None`` when there is no bias.

@@ -2,11 +2,24 @@
 
 q_m · k_n then depends on m - n only (the paper's Eq. 16). Pairs are (x_i, x_{i + r/2}) over the first ``r``
 channels (the GPT-NeoX / Llama "rotate half" layout); θ_i = base^(-2i/r). ``rotary_fraction`` < 1 rotates only
-the first r = fraction · head_dim channels and leaves the rest position-free (as GPT-NeoX does with 0.25).
+the first r = fraction · head_dim channels and leaves the rest position-free (as GPT-NeoX does with 0.25);
+``rotary_heads`` < H rotates only the first heads and leaves the others NoPE heads.
+
+Evaluation-time context scaling (``set_context_scaling``, used by ``posenc.evaluate eval.rope_scaling=...``)
+stretches a model trained at L to s·L positions without retraining, each method changing the frequencies θ_i:
+
+- ``pi``, position interpolation (Chen et al., 2023): θ_i / s, i.e. positions compressed by s.
+- ``ntk``, NTK-aware scaling (bloc97, 2023): base' = base · s^(r/(r−2)), high frequencies nearly kept, the lowest
+  one interpolated by s.
+- ``yarn`` (Peng et al., 2024, Eq. 17–21): with r_i = L / λ_i the number of wavelengths λ_i = 2π/θ_i that fit in
+  the training length, and the ramp γ_i = clamp((r_i − α)/(β − α), 0, 1) (α = 1, β = 32), θ'_i = (1 − γ_i) θ_i/s
+  + γ_i θ_i: dimensions that turn many times within L keep their frequency, those that do not are interpolated.
+  The attention temperature √(1/t) = 0.1 ln s + 1 multiplies q and k (the logits by its square).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -69,6 +82,25 @@ def rope_rotate(x: Tensor, pos: Tensor, inv_freq: Tensor, rotary_dims: int) -> T
     return rotated if rotary_dims == x.shape[-1] else torch.cat((rotated, x[..., rotary_dims:]), dim=-1)
 
 
+SCALINGS = ("pi", "ntk", "yarn")
+YARN_ALPHA, YARN_BETA = 1.0, 32.0  # the ramp's ends, in wavelengths per training length (YaRN's defaults)
+
+
+def scaled_frequencies(
+    base: float, dims: int, method: str, factor: float, original_length: int
+) -> tuple[torch.Tensor, float]:
+    """(θ'_i (dims/2,) float64, q/k multiplier) for a context scaling method (see the module docstring)."""
+    exponents = torch.arange(0, dims, 2, dtype=torch.float64) / dims
+    theta = base**-exponents
+    if method == "pi":
+        return theta / factor, 1.0
+    if method == "ntk":
+        return (base * factor ** (dims / (dims - 2))) ** -exponents, 1.0
+    wavelengths_in_context = original_length * theta / (2 * math.pi)  # r_i = L / λ_i
+    ramp = ((wavelengths_in_context - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA)).clamp(0.0, 1.0)
+    return (1 - ramp) * theta / factor + ramp * theta, 0.1 * math.log(factor) + 1.0
+
+
 @register
 class RoPE(PositionalEncoding):
     """Rotary position embedding on q and k; no bias."""
@@ -76,12 +108,36 @@ class RoPE(PositionalEncoding):
     name = "rope"
     rotates = True
 
-    def __init__(self, num_heads: int, head_dim: int, base: float = 10000.0, rotary_fraction: float = 1.0) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        base: float = 10000.0,
+        rotary_fraction: float = 1.0,
+        rotary_heads: int | None = None,
+    ) -> None:
         super().__init__(num_heads, head_dim)
         self.base = float(base)
         self.rotary_dims = rotary_dims(head_dim, rotary_fraction)
+        self.rotary_heads = num_heads if rotary_heads is None else rotary_heads
+        if not 1 <= self.rotary_heads <= num_heads:
+            raise ValueError(f"rope rotary_heads must be in 1..{num_heads} (the heads), got {rotary_heads}")
         inv_freq = self.base ** (-torch.arange(0, self.rotary_dims, 2, dtype=torch.float64) / self.rotary_dims)
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+        self.attention_scale = 1.0
+        self.scaling: tuple[str, float] | None = None
+
+    def set_context_scaling(self, method: str, factor: float, original_length: int) -> bool:
+        if method not in SCALINGS:
+            raise ValueError(f"unknown RoPE scaling {method!r}; choose one of {', '.join(SCALINGS)}")
+        if factor < 1:
+            raise ValueError(f"RoPE scaling factor must be ≥ 1 (how many times the training length), got {factor}")
+        inv_freq, self.attention_scale = scaled_frequencies(
+            self.base, self.rotary_dims, method, float(factor), original_length
+        )
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
+        self.scaling = (method, float(factor))
+        return True
 
     def angles(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Cos and sin (L, r/2) of position × frequency, in fp32."""
@@ -92,7 +148,18 @@ class RoPE(PositionalEncoding):
         return self._rotate(q, q_pos), self._rotate(k, k_pos)
 
     def _rotate(self, x: Tensor, pos: Tensor) -> Tensor:
-        return rope_rotate(x, pos, self.inv_freq, self.rotary_dims)
+        heads = self.rotary_heads
+        rotated = rope_rotate(x if heads == self.num_heads else x[:, :heads], pos, self.inv_freq, self.rotary_dims)
+        if self.attention_scale != 1.0:  # YaRN's temperature, on every head so all logits share it
+            rotated = rotated * self.attention_scale
+        if heads == self.num_heads:
+            return rotated
+        rest = x[:, heads:] * self.attention_scale if self.attention_scale != 1.0 else x[:, heads:]
+        return torch.cat((rotated, rest), dim=1)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, base={self.base}, rotary_dims={self.rotary_dims}"
+        scaling = f", scaling={self.scaling[0]}×{self.scaling[1]:g}" if self.scaling else ""
+        return (
+            f"{super().extra_repr()}, base={self.base}, rotary_dims={self.rotary_dims}, "
+            f"rotary_heads={self.rotary_heads}{scaling}"
+        )

@@ -30,6 +30,7 @@ class Stack(PositionalEncoding):
         self.absolute = any(m.absolute for m in members)
         self.adds_bias = any(m.adds_bias for m in members)
         self.rotates = any(m.rotates for m in members)
+        self.adds_content_bias = any(m.adds_content_bias for m in members)
 
     @property
     def label(self) -> str:
@@ -55,6 +56,12 @@ class Stack(PositionalEncoding):
 
     def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         biases = [b for b in (m.bias(q_pos, k_pos) for m in self.parts) if b is not None]
+        if not biases:
+            return None
+        return sum(biases[1:], biases[0])
+
+    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        biases = [b for b in (m.content_bias(q, k, q_pos, k_pos) for m in self.parts) if b is not None]
         if not biases:
             return None
         return sum(biases[1:], biases[0])
@@ -87,6 +94,10 @@ class Stack(PositionalEncoding):
                 return None
             forms += member_forms
         return forms
+
+    def set_context_scaling(self, method: str, factor: float, original_length: int) -> bool:
+        scaled = [member.set_context_scaling(method, factor, original_length) for member in self.parts]
+        return any(scaled)
 
     def constrain_(self) -> None:
         for member in self.parts:

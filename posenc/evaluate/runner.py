@@ -22,6 +22,7 @@ from torch import nn
 
 from posenc.compiling import eager_blocks
 from posenc.data.retrieval import RETRIEVAL_TASKS
+from posenc.encodings.base import PositionalEncoding
 from posenc.evaluate import RESULTS_FILE
 from posenc.evaluate.attention_stats import attention_plots, attention_stats_by_length, attention_summary, stats_windows
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
@@ -36,6 +37,38 @@ TASK_NAMES = ("passkey", "copy", *RETRIEVAL_TASKS)
 def supported(lengths: list[int], model: nn.Module) -> list[int]:
     limit = getattr(model, "max_positions", None)
     return [length for length in lengths if limit is None or length <= limit]
+
+
+def scaling_tag(eval_cfg: dict[str, Any]) -> str | None:
+    """``yarn×8`` for an evaluation with RoPE context scaling, ``None`` without; fails clearly on half a setting."""
+    method, factor = eval_cfg.get("rope_scaling"), eval_cfg.get("rope_scaling_factor")
+    if method is None:
+        return None
+    if factor is None:
+        raise ValueError(f"eval.rope_scaling={method} needs eval.rope_scaling_factor (e.g. 8: eight times L)")
+    return f"{method}×{float(factor):g}"
+
+
+def apply_context_scaling(model: nn.Module, eval_cfg: dict[str, Any], run_info: dict[str, Any]) -> dict[str, Any]:
+    """Stretch every scheme of ``model`` that can be (RoPE) as ``eval.rope_scaling`` asks; the run info it reports.
+
+    The scaled model is a different model at evaluation, so its label names the scaling (``rope · yarn×8``) and
+    the report shows it as its own column; ``rope_scaling`` records the method and factor.
+    """
+    tag = scaling_tag(eval_cfg)
+    if tag is None:
+        return run_info
+    method, factor = eval_cfg["rope_scaling"], float(eval_cfg["rope_scaling_factor"])
+    scaled = [
+        module.set_context_scaling(method, factor, int(run_info["train_len"]))
+        for module in model.modules()
+        if isinstance(module, PositionalEncoding)
+    ]
+    if not any(scaled):
+        raise ValueError(
+            f"eval.rope_scaling={method} needs a rotary scheme that can be stretched; {run_info['label']} has none"
+        )
+    return {**run_info, "label": f"{run_info['label']} · {tag}", "rope_scaling": {"method": method, "factor": factor}}
 
 
 def evaluate_model(
@@ -64,6 +97,7 @@ def _evaluate(
     stream: np.ndarray | None,
     task: str | None,
 ) -> dict[str, Any]:
+    run_info = apply_context_scaling(model, eval_cfg, run_info)
     train_len = int(run_info["train_len"])
     lengths = [int(m * train_len) for m in eval_cfg["multiples"]]
     results: dict[str, Any] = {**run_info, "eval": {k: v for k, v in eval_cfg.items() if k != "plots"}}

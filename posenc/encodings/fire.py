@@ -1,0 +1,91 @@
+"""FIRE (Li et al., 2024, "Functional Interpolation for Relative Positions Improves Long Context Transformers").
+
+A learned function of the *normalised* relative position (the paper's Eq. 3–4), per layer, one output per head:
+
+    b(i, j) = f_θ( ψ(i − j) / ψ(max(L, i)) ),   ψ(x) = log(c·x + 1)
+
+f_θ is an MLP 1 → ``mlp_width`` (32) → H with ReLU; c > 0 is learned (initialised at 0.1); L is the learned
+threshold (initialised at 512, parametrised as |multiplier| × 512 as in the paper's code) below which queries are
+normalised by ψ(L) rather than by their own position ("progressive interpolation" then only starts past L, so
+short sequences keep a plain relative bias). Beyond L the bias depends on the query position i as well as on
+i − j: FIRE is not shift-invariant and not distance-only, so fast backends use its score_mod, not a table.
+
+Its parameters feed an MLP, so none of the identities of ``learnable-bias-gradient.md`` applies: FIRE declares no
+``bias_gradient_forms`` and ``auto`` keeps it off ``flex_learnable`` (``flex`` on CUDA, ``sdpa`` on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from posenc.encodings import register
+from posenc.encodings.base import PositionalEncoding, ScoreMod
+
+EPS = 1e-6  # keeps ψ(max(L, i)) away from 0 (the paper's code adds it to the normaliser)
+
+
+@register
+class FIRE(PositionalEncoding):
+    """Learnable MLP over log-normalised relative positions."""
+
+    name = "fire"
+    adds_bias = True
+
+    def __init__(
+        self, num_heads: int, head_dim: int, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float = 512.0
+    ) -> None:
+        super().__init__(num_heads, head_dim)
+        self.mlp_width = mlp_width
+        self.hidden = nn.Linear(1, mlp_width)
+        self.out = nn.Linear(mlp_width, num_heads)
+        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        self.register_buffer("init_threshold", torch.tensor(float(init_threshold)), persistent=False)
+        self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
+
+    def normalised(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """ψ(i − j) / ψ(max(L, i)) as fp32, broadcasting ``q_pos`` against ``k_pos`` (causal pairs only matter)."""
+        c = self.c.float().abs()
+        threshold = (self.threshold_multiplier.float() * self.init_threshold).abs()
+        d = (q_pos - k_pos).to(torch.float32).clamp(min=0)
+        normaliser = torch.log1p(c * torch.maximum(q_pos.to(torch.float32), threshold)) + EPS
+        return torch.log1p(c * d) / normaliser
+
+    def mlp(self, x: Tensor) -> Tensor:
+        """f_θ on fp32 inputs x (...) → (..., H)."""
+        return self.out(torch.relu(self.hidden(x[..., None].to(self.hidden.weight.dtype)))).float()
+
+    def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        x = self.normalised(q_pos[:, None], k_pos[None, :])  # (Lq, Lk)
+        return self.mlp(x).permute(2, 0, 1)  # (H, Lq, Lk)
+
+    def score_mod(self, detached: bool = False) -> ScoreMod:
+        params = [
+            self.c,
+            self.threshold_multiplier,
+            self.hidden.weight,
+            self.hidden.bias,
+            self.out.weight,
+            self.out.bias,
+        ]
+        if detached:
+            params = [p.detach() for p in params]
+        c, multiplier, w1, b1, w2, b2 = params
+        w1, b1 = w1[:, 0], b1  # (W,), (W,)
+        init_threshold, width = self.init_threshold, self.mlp_width
+
+        def fire(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            c_abs = c.float().abs()
+            threshold = (multiplier.float() * init_threshold).abs()
+            d = (q_idx - kv_idx).to(torch.float32).clamp(min=0)
+            x = torch.log1p(c_abs * d) / (torch.log1p(c_abs * torch.maximum(q_idx.to(torch.float32), threshold)) + EPS)
+            # The MLP unrolled over its hidden units: pointwise ops only, which a compiled score_mod needs.
+            out = b2[h].float()
+            for unit in range(width):
+                out = out + w2[h, unit].float() * torch.relu(w1[unit].float() * x + b1[unit].float())
+            return score + out
+
+        return fire
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mlp_width={self.mlp_width}"
