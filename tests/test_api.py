@@ -9,7 +9,7 @@ import torch
 from helpers import FAST, compose_train
 
 import posenc
-from posenc.evaluate.__main__ import load_module
+from posenc.runs import load_module
 from posenc.model import Decoder
 from posenc.train import train
 
@@ -18,7 +18,7 @@ def test_load_run_returns_the_trained_decoder_and_config(tmp_path: Path) -> None
     train(compose_train("+encoding=rope_alibi", *FAST), tmp_path)
     model, config = posenc.load_run(tmp_path)
     assert isinstance(model, Decoder) and not model.training and config["encoding"]["name"] == "rope+alibi"
-    trained, _ = load_module(tmp_path / "checkpoints" / "last.ckpt", "cpu", None, False)
+    trained, _ = load_module(tmp_path / "checkpoints" / "last.ckpt", "cpu", None)
     tokens = torch.randint(0, 256, (1, 40))
     with torch.no_grad():
         assert torch.equal(model(tokens), trained.model(tokens))
