@@ -9,8 +9,8 @@ import torch
 from helpers import FAST, compose_train
 
 import posenc
-from posenc.runs import load_module
 from posenc.model import Decoder
+from posenc.runs import load_module
 from posenc.train import train
 
 
