@@ -45,8 +45,13 @@ def _length_past_horizons(name: str) -> int:
 
 
 def _auto_choices(name: str) -> list[str]:
-    """Every backend ``auto`` may pick for this scheme (on CUDA and on CPU), the eager reference excluded."""
-    return sorted({choose(make(name), is_cuda=cuda) for cuda in (True, False)} - {"eager"})
+    """Every backend ``auto`` may pick for this scheme (on CUDA and on CPU) that can differentiate on CPU.
+
+    The eager reference is excluded, and so is ``flex``: torch has no CPU backward for FlexAttention. The learnable
+    schemes ``auto`` sends to ``flex`` on CUDA (those declaring no gradient forms) are compared with eager there, in
+    ``tests/test_gpu.py::test_auto_on_cuda_matches_eager_where_it_picks_flex_for_a_learnable_bias``.
+    """
+    return sorted({choose(make(name), is_cuda=cuda) for cuda in (True, False)} - {"eager", "flex"})
 
 
 def _grads(backend: str, name: str, length: int, first_pos: int = 0, **cfg) -> list[torch.Tensor]:

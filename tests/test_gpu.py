@@ -64,6 +64,22 @@ def test_flex_learnable_matches_eager_on_cuda_fp32(name: str) -> None:
         torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
 
 
+# Learnable biases without gradient forms train through flex's own backward on CUDA (the CPU suite cannot run it).
+FLEX_LEARNABLE_ON_CUDA = [
+    name
+    for name in available()
+    if build(name, num_heads=HEADS, head_dim=HEAD_DIM).learnable_bias
+    and choose(build(name, num_heads=HEADS, head_dim=HEAD_DIM), is_cuda=True) == "flex"
+]
+
+
+@pytest.mark.parametrize("name", FLEX_LEARNABLE_ON_CUDA)
+def test_auto_on_cuda_matches_eager_where_it_picks_flex_for_a_learnable_bias(name: str) -> None:
+    got, expected = _run("auto", name, 300, torch.float32), _run("eager", name, 300, torch.float32)
+    for value, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
+
+
 def test_flex_matches_eager_on_cuda_fp32() -> None:
     got, expected = _run("flex", "alibi", 300, torch.float32), _run("eager", "alibi", 300, torch.float32)
     for value, reference in zip(got, expected, strict=True):
