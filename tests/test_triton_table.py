@@ -31,7 +31,8 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 
 HEADS, HEAD_DIM = 3, 16  # tl.dot needs a head dim of at least 16 (conftest's is 8)
 DISTANCE_SCHEMES = [name for name in SCHEMES if make(name).distance_only]
-NO_BIAS_SCHEMES = [name for name in SCHEMES if not make(name).adds_bias]
+NO_BIAS_SCHEMES = [name for name in SCHEMES if not make(name).adds_bias and not make(name).adds_content_bias]
+CONTENT_BIAS_SCHEMES = [name for name in SCHEMES if make(name).adds_content_bias]
 ALL_DISTANCE_BIASES = "+".join(DISTANCE_SCHEMES)  # every distance-only scheme in one stack
 
 
@@ -76,6 +77,14 @@ def test_values_and_gradients_match_eager(name: str, length: int) -> None:
 @pytest.mark.parametrize("name", [*NO_BIAS_SCHEMES, "rope+t5"])
 def test_schemes_without_a_bias_or_with_a_rotation(name: str) -> None:
     _assert_matches(name, 40)
+
+
+@pytest.mark.parametrize("name", CONTENT_BIAS_SCHEMES)
+def test_refuses_content_dependent_biases_rather_than_dropping_them(name: str) -> None:
+    pos = torch.arange(16, device=DEVICE)
+    q, k, v = (torch.randn(1, HEADS, 16, HEAD_DIM, device=DEVICE) for _ in range(3))
+    with pytest.raises(ValueError, match="content-dependent bias"):
+        get_backend("triton")(q, k, v, make(name), pos, pos)
 
 
 def test_table_gradient_is_every_distances_diagonal_sum() -> None:

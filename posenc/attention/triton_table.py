@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from posenc.attention import register_backend
+from posenc.attention.flex import refuse_content_bias
 from posenc.encodings.base import PositionalEncoding
 
 BLOCK_M = 64  # queries per program (and per tile)
@@ -125,6 +126,7 @@ def check_supported(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> None:
     """Raise with what to do instead when this backend cannot honour the call exactly."""
+    refuse_content_bias(encoding, "triton")
     if encoding.adds_bias and not encoding.distance_only:
         raise ValueError(
             f"attention=triton needs a bias that depends on the distance i - j alone; {encoding.label}'s does not. "
