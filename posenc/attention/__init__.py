@@ -38,6 +38,18 @@ def register_backend(name: str, *, query_suffix: bool = False) -> Callable[[Back
     return decorator
 
 
+def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
+    """Refuse a bias that reads q and k in a backend that sees positions only (a score_mod, a distance table).
+
+    Such a backend would otherwise run the scheme with no bias at all; every one of them calls this first.
+    """
+    if encoding.adds_content_bias:
+        raise ValueError(
+            f"attention={backend} cannot apply {encoding.label}'s content-dependent bias (it reads queries and keys, "
+            "not only positions); use attention=sdpa, eager or auto"
+        )
+
+
 def decoding_backend(name: str) -> str:
     """The backend cached decoding uses for a model built with ``name``: itself if it takes a query suffix."""
     _load()
@@ -62,4 +74,11 @@ def _load() -> None:
     from posenc.attention import auto, eager, flex, flex_learnable, sdpa, triton_table  # noqa: F401 - registration
 
 
-__all__ = ["Backend", "available_backends", "decoding_backend", "get_backend", "register_backend"]
+__all__ = [
+    "Backend",
+    "available_backends",
+    "decoding_backend",
+    "get_backend",
+    "refuse_content_bias",
+    "register_backend",
+]

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from posenc.attention import register_backend
+from posenc.attention import refuse_content_bias, register_backend
 from posenc.encodings.base import PositionalEncoding, ScoreMod, TableForm
 
 
@@ -175,15 +175,6 @@ def flex_run(
         q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=options, return_aux=AuxRequest(lse=True)
     )
     return out, aux.lse
-
-
-def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
-    """A score_mod sees positions only: a bias that reads q and k cannot be one, and must not be dropped."""
-    if encoding.adds_content_bias:
-        raise ValueError(
-            f"attention={backend} cannot apply {encoding.label}'s content-dependent bias (it reads queries and keys, "
-            "not only positions); use attention=sdpa, eager or auto"
-        )
 
 
 def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> None:

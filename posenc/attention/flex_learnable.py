@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posenc.attention import register_backend
+from posenc.attention import refuse_content_bias, register_backend
 from posenc.attention.bias_grad import (
     derivative_sums,
     diagonal_sums,
@@ -34,7 +34,7 @@ from posenc.attention.bias_grad import (
     table_gradient,
     with_log_factor,
 )
-from posenc.attention.flex import check_self_attention, flex_run, kernel_options, refuse_content_bias, shifted
+from posenc.attention.flex import check_self_attention, flex_run, kernel_options, shifted
 from posenc.attention.sdpa import sdpa_with_bias
 from posenc.encodings.base import DerivativeForm, PositionalEncoding, ScoreMod, TableForm
 

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posenc.attention import register_backend
-from posenc.attention.flex import refuse_content_bias
+from posenc.attention import refuse_content_bias, register_backend
 from posenc.encodings.base import PositionalEncoding
 
 BLOCK_M = 64  # queries per program (and per tile)
