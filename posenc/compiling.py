@@ -16,15 +16,16 @@ evaluated. So:
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from posenc.attention.flex import forbid_recompile_fallback
 from posenc.model import Decoder
+from posenc.runtime import eager_modules as eager_blocks  # evaluation runs the compiled blocks uncompiled
+
+__all__ = ["compile_blocks", "eager_blocks", "should_compile"]
 
 
 def should_compile(setting: str | bool, accelerator: str) -> bool:
@@ -50,21 +51,3 @@ def compile_blocks(model: Decoder, backend: str | Callable[..., Any] = "inductor
     forbid_recompile_fallback()
     for block in model.blocks:
         block.compile(backend=backend, dynamic=False)
-
-
-@contextlib.contextmanager
-def eager_blocks(model: nn.Module) -> Iterator[None]:
-    """Run every block compiled by ``compile_blocks`` uncompiled inside the ``with`` (for evaluation).
-
-    ``nn.Module.compile`` keeps the compiled call in ``_compiled_call_impl`` and uses it when set; clearing it
-    for the duration and restoring it after is the one switch torch offers per module (``torch.compiler``'s
-    stances are process-wide and would turn off the compiled attention kernels too).
-    """
-    compiled = {module: module._compiled_call_impl for module in model.modules() if module._compiled_call_impl}
-    for module in compiled:
-        module._compiled_call_impl = None
-    try:
-        yield
-    finally:
-        for module, call in compiled.items():
-            module._compiled_call_impl = call

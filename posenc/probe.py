@@ -3,7 +3,8 @@
 Hooks on each layer's attention read its input during an ordinary forward and recompute q and k through the
 layer's own ``project`` (the same rotation the layer applies); probabilities come from the dense reference
 (``attention_weights``: rotate, bias through the contract, causal softmax), so they are what every backend is
-tested to compute, whatever backend the model runs. Compiled blocks run eagerly here, so the hooks fire.
+tested to compute, whatever backend the model runs. Compiled blocks run uncompiled here (``eager_modules``), so
+the hooks fire, while the attention inside keeps its compiled kernels.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 from posenc.attention.eager import attention_weights
 from posenc.encodings.base import PositionalEncoding
+from posenc.runtime import eager_modules
 
 # visit(layer index, rotated q (B, H, L, D), rotated k (B, H, L, D), the layer's scheme, positions (L,))
 Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor], None]
@@ -35,7 +37,7 @@ def visit_layers(model: nn.Module, tokens: Tensor, visit: Visit) -> Tensor:
 
         handles.append(block.attn.register_forward_pre_hook(hook))
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with eager_modules(model):
             return model(tokens)
     finally:
         for handle in handles:

@@ -22,6 +22,7 @@ from torch import Tensor
 from posenc.attention import get_backend, register_backend
 from posenc.attention.flex_learnable import supports
 from posenc.encodings.base import PositionalEncoding
+from posenc.runtime import cuda_path
 
 
 def choose(encoding: PositionalEncoding, is_cuda: bool) -> str:
@@ -37,4 +38,4 @@ def choose(encoding: PositionalEncoding, is_cuda: bool) -> str:
 def auto_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
-    return get_backend(choose(encoding, q.is_cuda))(q, k, v, encoding, q_pos, k_pos)
+    return get_backend(choose(encoding, cuda_path(q)))(q, k, v, encoding, q_pos, k_pos)

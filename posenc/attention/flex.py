@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from posenc.attention import refuse_content_bias, register_backend
 from posenc.encodings.base import PositionalEncoding, ScoreMod, TableForm
+from posenc.runtime import cuda_path
 
 
 def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -111,6 +113,19 @@ def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
     return torch.compile(flex_attention, dynamic=False)
 
 
+def flex_kernel(q: Tensor) -> Callable[..., Any]:
+    """The flex_attention to call for ``q``: traced into the caller's graph, compiled once, or eager.
+
+    Inside a compiled block (dynamo tracing) the plain ``flex_attention`` is traced into the block's own graph and
+    fused there; calling the process-wide compiled wrapper from inside would split the block into several graphs at
+    its ``functools.cache`` and ``warnings`` calls. Outside compilation, the CUDA path uses the one compiled wrapper
+    (``compiled_flex_attention``), and CPU the eager forward.
+    """
+    if torch.compiler.is_compiling():
+        return flex_attention
+    return compiled_flex_attention() if cuda_path(q) else flex_attention
+
+
 # Tiles for score_mods that gather from a table: the default H100 forward tile (128 × 128, 3 stages, bf16, head
 # dim 64) needs 240 KiB of shared memory once the gathered bias is laid out, above Hopper's 227 KiB, and inductor
 # then finds no valid config (issue 13). Half-size tiles and two stages need well under half of that (an estimate
@@ -161,12 +176,11 @@ def flex_run(
 ) -> Any:
     """Causal FlexAttention with the cached block mask: ``out``, or ``(out, lse)`` with the fp32 natural-log lse.
 
-    Compiled on CUDA; eager elsewhere, where torch runs the forward only. ``options`` are the kernel options
-    (``kernel_options(encoding)``).
+    ``options`` are the kernel options (``kernel_options(encoding)``); which kernel runs is ``flex_kernel``'s choice.
     """
     length = q.shape[-2]
     block_mask = causal_block_mask(length, str(q.device))
-    kernel = compiled_flex_attention() if q.is_cuda else flex_attention
+    kernel = flex_kernel(q)
     if not q.is_cuda and not torch.is_grad_enabled():  # torch refuses CPU inputs that require grad, even here
         q, k, v = q.detach(), k.detach(), v.detach()
     if not return_lse:
@@ -186,7 +200,7 @@ def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> 
 def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     refuse_content_bias(encoding, "flex")
     check_self_attention(q, k, q_pos, k_pos)
-    if not q.is_cuda and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if not cuda_path(q) and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(
             "attention=flex cannot train on CPU: torch's FlexAttention has no CPU backward. "
             "Use attention=sdpa (or attention=auto) on CPU; flex trains on CUDA."

@@ -37,6 +37,7 @@ from posenc.attention.bias_grad import (
 from posenc.attention.flex import check_self_attention, flex_run, kernel_options, shifted
 from posenc.attention.sdpa import sdpa_with_bias
 from posenc.encodings.base import DerivativeForm, PositionalEncoding, ScoreMod, TableForm
+from posenc.runtime import cuda_path
 
 
 def attend_with_lse(
@@ -140,7 +141,7 @@ def constant_bias_attention(
     mod = shifted(mod, pos[0]) if mod is not None else None
     options = kernel_options(encoding)
     trains_qkv = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if q.is_cuda or not trains_qkv:
+    if cuda_path(q) or not trains_qkv:
         if with_lse:
             return flex_run(q, k, v, mod, return_lse=True, options=options)
         return flex_run(q, k, v, mod, options=options), None
@@ -164,7 +165,7 @@ def flex_learnable_attention(
             f"for tables); {encoding.label} does not. Use attention=flex or attention=sdpa."
         )
     plan = plan_bias_gradient(encoding, q_pos[0]) if torch.is_grad_enabled() else None
-    bias_grad = plan is not None and bool(plan.parameters)
+    bias_grad = plan is not None and len(plan.parameters) > 0
     out, lse = constant_bias_attention(q, k, v, encoding, q_pos, with_lse=bias_grad)
     if not bias_grad:
         return out

@@ -25,7 +25,10 @@ import triton
 import triton.language as tl
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): the kernels work in base 2, the lse is stored natural
+# exp(x) = exp2(x · log2 e): the kernels work in base 2, the lse is stored natural. A constexpr, because a
+# @triton.jit function may read no other module global: compiled for a GPU, a plain float here is a NameError at
+# the first launch (Triton's interpreter, which runs the kernels as Python, would not notice).
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -13,9 +13,10 @@ Opt-in only (``attention=triton``): the kernels are tested on CPU through Triton
 session has benchmarked it (``python -m posenc.bench``) against ``flex`` and ``flex_learnable``.
 
 It refuses, never dropping a bias: a scheme whose bias is not distance-only, anything but self-attention over one
-window (Lq ≠ Lk or different positions, e.g. cached decoding), head dims outside 16..128, dtypes other than
-fp32/bf16/fp16, CPU tensors unless the kernels run under the interpreter (``TRITON_INTERPRET=1``), bf16 under
-the interpreter (whose tl.dot multiplies bf16's raw bits), and a machine without triton.
+window (Lq ≠ Lk or different positions, e.g. cached decoding), head dims outside 16..128, fp32 past head dim 64
+(``MAX_FP32_HEAD_DIM``), dtypes other than fp32/bf16/fp16, CPU tensors unless the kernels run under the interpreter
+(``TRITON_INTERPRET=1``), bf16 under the interpreter (whose tl.dot multiplies bf16's raw bits), and a machine
+without triton.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from posenc.encodings.base import PositionalEncoding
 BLOCK_M = 64  # queries per program (and per tile)
 BLOCK_N = 64  # keys per tile
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # tl.dot needs ≥ 16; past 128 the tiles no longer fit in registers
+# fp32 tiles at head dim 128 need 240 KiB (dq) and 257 KiB (dk, dv) of shared memory compiled for an H100, over its
+# 227 KiB (232,448 bytes): the backend refuses fp32 past 64 rather than fail at launch with OutOfResources.
+MAX_FP32_HEAD_DIM = 64
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -56,15 +60,30 @@ def _cdiv(n: int, block: int) -> int:
     return -(-n // block)
 
 
-def _launch_options(q: Tensor) -> dict[str, Any]:
-    head_dim = q.shape[-1]
+def launch_config(dtype: torch.dtype, head_dim: int) -> dict[str, Any]:
+    """Tiles, precision, warps and stages of every launch for one (dtype, head dim).
+
+    The one source of these numbers: the kernels launch with them, and ``triton_aot`` (run by the CPU test suite)
+    compiles each kernel ahead of time for an H100 (sm_90) with them and checks its shared memory. Eight warps at
+    head dim 128 keep most of the bf16 backward's accumulators in registers: compiled for sm_90 by triton 3.6, the
+    dq kernel spilled ~600 bytes with four warps and ~160 with eight, the dk/dv kernel ~400 and none
+    (``python -m posenc.attention.triton_aot --registers`` prints the figures for the triton installed).
+    """
+    block_d = _next_power_of_2(head_dim)
     return {
         "BLOCK_M": BLOCK_M,
         "BLOCK_N": BLOCK_N,
-        "BLOCK_D": _next_power_of_2(head_dim),
+        "BLOCK_D": block_d,
         # fp32 inputs keep fp32 products (eager's precision) rather than TF32; bf16/fp16 ignore the setting.
-        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": 8 if block_d >= 128 else 4,
+        "num_stages": 3,
     }
+
+
+def diagonal_width() -> int:
+    """Columns of the dq kernel's skewed tile: every diagonal of a BLOCK_M × BLOCK_N tile (``WIDTH``)."""
+    return _next_power_of_2(BLOCK_M + BLOCK_N - 1)
 
 
 def _strides(t: Tensor) -> tuple[int, int, int]:
@@ -92,7 +111,7 @@ class TableAttention(torch.autograd.Function):
             q, k, v, out, lse, table_arg,
             *_strides(q), *_strides(k), *_strides(v), *_strides(out), table_arg.stride(0),
             heads, length, head_dim, 1.0 / math.sqrt(head_dim),
-            HAS_BIAS=table is not None, **_launch_options(q),
+            HAS_BIAS=table is not None, **launch_config(q.dtype, head_dim),
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, table_arg)
         ctx.has_bias = table is not None
@@ -108,17 +127,33 @@ class TableAttention(torch.autograd.Function):
         dq, dk, dv = (torch.empty_like(dout) for _ in range(3))
         bias_grad = ctx.has_bias and ctx.needs_input_grad[3]
         dtable = torch.zeros(heads, length, device=q.device, dtype=torch.float32) if bias_grad else None
-        options = _launch_options(q)
+        options = launch_config(q.dtype, head_dim)
         shared = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), table.stride(0))
         sizes = (heads, length, head_dim, 1.0 / math.sqrt(head_dim))
         module.backward_dq_kernel[(_cdiv(length, BLOCK_M), batch * heads)](
             q, k, v, dout, lse, delta, dq, table, dtable if bias_grad else lse, *shared, *sizes,
-            HAS_BIAS=ctx.has_bias, BIAS_GRAD=bias_grad, WIDTH=_next_power_of_2(BLOCK_M + BLOCK_N - 1), **options,
+            HAS_BIAS=ctx.has_bias, BIAS_GRAD=bias_grad, WIDTH=diagonal_width(), **options,
         )  # fmt: skip
         module.backward_dkdv_kernel[(_cdiv(length, BLOCK_N), batch * heads)](
             q, k, v, dout, lse, delta, dk, dv, table, *shared, *sizes, HAS_BIAS=ctx.has_bias, **options
         )
         return dq, dk, dv, dtable
+
+
+def check_shape(head_dim: int, dtype: torch.dtype) -> None:
+    """Raise for a head dim or dtype the kernels cannot run on an H100 (``triton_aot`` compiles all the others)."""
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"attention=triton supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {head_dim}; use attention=flex"
+        )
+    if dtype not in DTYPES:
+        raise ValueError(f"attention=triton takes q, k, v of one dtype among fp32, bf16, fp16; got {dtype}")
+    if dtype == torch.float32 and head_dim > MAX_FP32_HEAD_DIM:
+        raise ValueError(
+            f"attention=triton in fp32 supports head dims up to {MAX_FP32_HEAD_DIM} (its tiles at {head_dim} exceed "
+            "an H100's shared memory); train in bf16 (trainer.precision=bf16-mixed, the GPU default) or use "
+            "attention=flex"
+        )
 
 
 def check_supported(
@@ -136,12 +171,9 @@ def check_supported(
             "attention=triton handles self-attention over one window (Lq == Lk, q_pos == k_pos), not cached "
             "decoding; use attention=sdpa or eager."
         )
-    if not MIN_HEAD_DIM <= q.shape[-1] <= MAX_HEAD_DIM:
-        raise ValueError(
-            f"attention=triton supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {q.shape[-1]}; use attention=flex"
-        )
-    if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype:
+    if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"attention=triton takes q, k, v of one dtype among fp32, bf16, fp16; got {q.dtype}")
+    check_shape(q.shape[-1], q.dtype)
     if kernels().INTERPRETED and q.dtype == torch.bfloat16:
         raise ValueError(
             "Triton's interpreter has no bf16 tl.dot (numpy stores bf16 as raw uint16 bits): run attention=triton "

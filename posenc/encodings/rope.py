@@ -28,6 +28,7 @@ from torch import Tensor
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
+from posenc.runtime import cuda_path
 
 
 def rotary_dims(head_dim: int, fraction: float) -> int:
@@ -65,7 +66,7 @@ def fused_on_gpu(fn: RotationFn) -> RotationFn:
     compiled: list[Callable[..., Tensor]] = []
 
     def dispatch(x: Tensor, *args: object) -> Tensor:
-        if not x.is_cuda or torch.compiler.is_compiling():
+        if not cuda_path(x) or torch.compiler.is_compiling():
             return fn(x, *args)
         if not compiled:
             compiled.append(torch.compile(fn, dynamic=True))

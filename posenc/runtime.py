@@ -1,0 +1,53 @@
+"""How posenc runs on the device at hand: the one switch for its CUDA-only branches, and compiled modules run eagerly.
+
+Several fast paths exist only on CUDA: FlexAttention compiled once per process, ``auto`` sending biased schemes to
+``flex`` or ``flex_learnable``, the fused rotation kernel. Each asks ``cuda_path(tensor)`` rather than
+``tensor.is_cuda``, so the CPU test suite can take exactly those branches (``forced_cuda_path``) and see, without a
+GPU, how a compiled block traces on a GPU: its graph breaks, and its values and gradients under
+``torch.compile(backend="aot_eager")``. Nothing in a normal run forces the switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import Tensor, nn
+
+_forced = False
+
+
+def cuda_path(tensor: Tensor) -> bool:
+    """Whether computations on ``tensor`` take the CUDA-only branches: on CUDA, or on CPU while forced."""
+    return tensor.is_cuda or _forced
+
+
+@contextlib.contextmanager
+def forced_cuda_path() -> Iterator[None]:
+    """Take the CUDA-only branches for CPU tensors inside the ``with`` (tests: what a GPU would trace)."""
+    global _forced
+    previous, _forced = _forced, True
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+@contextlib.contextmanager
+def eager_modules(model: nn.Module) -> Iterator[None]:
+    """Run every module compiled with ``nn.Module.compile`` uncompiled inside the ``with``.
+
+    ``nn.Module.compile`` keeps the compiled call in ``_compiled_call_impl`` and uses it when set; clearing it for
+    the duration and restoring it after is the one per-module switch torch offers. ``torch.compiler``'s stances are
+    process-wide: ``set_stance("force_eager")`` would also run FlexAttention's compiled kernel unfused, which
+    materialises every score (and which posenc refuses on CUDA). Used by evaluation and by the attention probes,
+    whose forward hooks must fire.
+    """
+    compiled = {module: module._compiled_call_impl for module in model.modules() if module._compiled_call_impl}
+    for module in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, call in compiled.items():
+            module._compiled_call_impl = call
