@@ -5,7 +5,9 @@ It runs, each in its own process so that one crash (a segfault included) is one 
 - the GPU tests (``pytest -m "gpu and not slow" tests/test_gpu.py``, each test with a timeout);
 - a short training run of every config in ``conf/encoding/`` with the default ``compile: auto``, through the
   end-of-training evaluation to 32× the training length;
-- one ``trainer=ddp trainer.devices=1`` run;
+- one run of a learnable distance-only scheme (``--triton``, KERPLE-log by default) with ``attention=triton``, the
+  Triton kernels' only end-to-end check;
+- one ``trainer=ddp trainer.devices=1 model=small`` run (the papers' model size, through DDP's wrapping);
 
 then prints one table (config | trained | evaluated | steps/s | ppl@1× | ppl@32× | error) and exits non-zero on
 any failure. Every run logs to CSV (``logger=csv``; wandb is never imported) and, on CUDA, treats torch's warning
@@ -36,6 +38,7 @@ from posenc.config import CONF_DIR, encoding_choices
 
 ROOT = CONF_DIR.parent
 DDP = "ddp"  # the row name of the data-parallel run
+TRITON = "triton"  # the row name of the attention=triton run
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Warning|Exit|Interrupt|Hit|Exceeded)\b(:|$)")
 CRASH_LINE = re.compile(r"Segmentation fault|core dumped|Killed|Aborted")
 
@@ -67,10 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--configs", help="comma-separated conf/encoding names (default: all of them)")
     parser.add_argument("--steps", type=int, help="training steps per run (default: 50 on cuda, 3 on cpu)")
     parser.add_argument("--multiples", help="evaluation multiples, e.g. 1,2 (default: 1,2,4,8,16,32)")
-    parser.add_argument("--jobs", type=int, default=4, help="training runs at once (default 4)")
+    parser.add_argument("--jobs", type=int, default=6, help="training runs at once (default 6)")
     parser.add_argument("--timeout", type=float, default=420, help="seconds per training run (default 420)")
     parser.add_argument("--no-tests", action="store_true", help="skip the GPU tests")
     parser.add_argument("--no-ddp", action="store_true", help="skip the trainer=ddp run")
+    parser.add_argument(
+        "--triton", default="kerple_log", metavar="CONFIG", help="config trained with attention=triton ('' to skip)"
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -85,13 +91,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.configs) - set(known))
     if unknown:
         parser.error(f"unknown config(s) {unknown}; choose from {known}")
+    if args.triton and args.triton not in known:
+        parser.error(f"--triton {args.triton}: not a config; choose from {known}")
     args.steps = args.steps or (50 if args.device == "cuda" else 3)
     args.multiples = [int(m) for m in (args.multiples or "1,2,4,8,16,32").split(",")]
     return args
 
 
 def plan(args: argparse.Namespace, out: Path) -> list[Check]:
-    """Every training run of the check, with its overrides (the DDP one last)."""
+    """Every training run of the check, with its overrides (the triton and DDP ones last)."""
     common = [
         "logger=csv",
         f"trainer.max_steps={args.steps}",
@@ -113,10 +121,15 @@ def plan(args: argparse.Namespace, out: Path) -> list[Check]:
         Check(name, [f"+encoding={name}", *common, *scoped.get(name, [])], out / name, args.multiples)
         for name in args.configs
     ]
+    if args.triton and args.device == "cuda":  # the kernels run on CUDA only (the CPU suite interprets them)
+        triton = [f"+encoding={args.triton}", *common, "attention=triton"]
+        checks.append(Check(TRITON, triton, out / TRITON, args.multiples))
     if not args.no_ddp:
         ddp = ["trainer=ddp", "trainer.devices=1"]
         if args.device == "cpu":
             ddp += ["trainer.precision=32-true"]
+        else:
+            ddp += ["model=small"]
         first = "alibi" if "alibi" in args.configs else args.configs[0]
         checks.append(Check(DDP, [f"+encoding={first}", *common, *ddp], out / DDP, args.multiples))
     return checks

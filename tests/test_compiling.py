@@ -147,7 +147,7 @@ def test_autograd_function_output_is_not_a_view() -> None:
 
 
 @pytest.mark.parametrize("name", [*available(), "alibi+kerple_log+t5", "rope+t5"])
-def test_table_biases_get_tiles_that_fit_hopper(name: str) -> None:
+def test_table_biases_get_tiles_for_the_main_flex_kernel(name: str) -> None:
     enc = make(name)
     reads_table = any(isinstance(f, TableForm) for m in enc.members for f in m.bias_gradient_forms() or [])
     options = kernel_options(enc)
@@ -155,7 +155,9 @@ def test_table_biases_get_tiles_that_fit_hopper(name: str) -> None:
     if options is not None:
         blocks = [value for key, value in options.items() if "BLOCK" in key]
         assert all(128 % size == 0 for size in blocks)  # FlexAttention needs tiles dividing the mask's blocks
-        assert options["fwd_BLOCK_M"] * options["fwd_BLOCK_N"] * options["fwd_num_stages"] <= 64 * 64 * 2
+        # Below 128 queries torch would take its decoding kernel, which applies a fwd_BLOCK_M override after sizing
+        # its boundary masks: the tiles must always go to the main Triton kernel.
+        assert options["BACKEND"] == "TRITON"
 
 
 def test_kernel_options_reach_flex_attention(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,11 +15,14 @@ def test_plan_covers_every_config_and_one_ddp_run(tmp_path: Path) -> None:
     args = parse_args(["--set", "model.dim=64", "--set", "t5:attention=eager"])
     checks = plan(args, tmp_path)
     names = [check.name for check in checks]
-    assert names[:-1] == args.configs and names[-1] == "ddp" and len(args.configs) >= 11
+    assert names[:-2] == args.configs and names[-2:] == ["triton", "ddp"] and len(args.configs) >= 11
     overrides = {check.name: check.overrides for check in checks}
     assert all("logger=csv" in o and "model.dim=64" in o for o in overrides.values())
     assert "attention=eager" in overrides["t5"] and "attention=eager" not in overrides["alibi"]
-    assert {"trainer=ddp", "trainer.devices=1"} <= set(overrides["ddp"])
+    assert {"trainer=ddp", "trainer.devices=1", "model=small"} <= set(overrides["ddp"])
+    assert {"+encoding=kerple_log", "attention=triton"} <= set(overrides["triton"])
+    cpu = [check.name for check in plan(parse_args(["--device", "cpu"]), tmp_path)]
+    assert "triton" not in cpu and cpu[-1] == "ddp"  # the kernels run on CUDA only
     assert "eval.multiples=[1,2,4,8,16,32]" in overrides["alibi"]  # the evaluation goes to 32×
     with pytest.raises(SystemExit):
         parse_args(["--configs", "alibi,no_such_scheme"])

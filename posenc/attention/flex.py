@@ -128,10 +128,16 @@ def flex_kernel(q: Tensor) -> Callable[..., Any]:
 
 # Tiles for score_mods that gather from a table: the default H100 forward tile (128 × 128, 3 stages, bf16, head
 # dim 64) needs 240 KiB of shared memory once the gathered bias is laid out, above Hopper's 227 KiB, and inductor
-# then finds no valid config (issue 13). Half-size tiles and two stages need well under half of that (an estimate
-# from the tile sizes: K and V stages, the Q tile and the score tile; not yet measured on a GPU). All divide the
-# block mask's 128, as FlexAttention requires, and the backward's pairs divide each other.
-TABLE_KERNEL_OPTIONS = {
+# then finds no valid config. Half-size tiles and two stages need well under half of that (an estimate from the
+# tile sizes: K and V stages, the Q tile and the score tile; not yet measured on a GPU). All divide the block
+# mask's 128, as FlexAttention requires, and the backward's pairs divide each other.
+# ``BACKEND: TRITON`` keeps FlexAttention's main kernel at every length: for queries shorter than 128 torch would
+# otherwise take its decoding kernel, which decides whether its query block needs boundary masks from its own
+# block size (the query length rounded up to a power of 2) and only then applies ``fwd_BLOCK_M``: at L = 16 or 32
+# it would load and store 64-row blocks unmasked (torch 2.11, ``flex_decoding.py``). The main kernel derives its
+# masking from the 128 mask block, which every tile here divides.
+TABLE_KERNEL_OPTIONS: dict[str, int | str] = {
+    "BACKEND": "TRITON",
     "fwd_BLOCK_M": 64,
     "fwd_BLOCK_N": 64,
     "fwd_num_stages": 2,
@@ -145,7 +151,7 @@ TABLE_KERNEL_OPTIONS = {
 }
 
 
-def kernel_options(encoding: PositionalEncoding) -> dict[str, int] | None:
+def kernel_options(encoding: PositionalEncoding) -> dict[str, int | str] | None:
     """FlexAttention kernel options for this scheme: smaller tiles when a member's bias is a table lookup.
 
     Read from what the scheme declares: a member whose ``bias_gradient_forms`` include a ``TableForm`` indexes a
@@ -172,7 +178,7 @@ def flex_run(
     v: Tensor,
     score_mod: ScoreMod | None,
     return_lse: bool = False,
-    options: dict[str, int] | None = None,
+    options: dict[str, int | str] | None = None,
 ) -> Any:
     """Causal FlexAttention with the cached block mask: ``out``, or ``(out, lse)`` with the fp32 natural-log lse.
 

@@ -41,7 +41,7 @@ from posenc.runtime import cuda_path
 
 
 def attend_with_lse(
-    q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, options: dict[str, int] | None = None
+    q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, options: dict[str, int | str] | None = None
 ) -> tuple[Tensor, Tensor]:
     """One causal flex forward returning (out, lse): the extra forwards of Identity 1 (run without grad)."""
     return flex_run(q, k, v, score_mod, return_lse=True, options=options)
@@ -57,7 +57,7 @@ class BiasGradientPlan:
     score_mod: ScoreMod | None  # the whole scheme's bias, detached, at absolute positions
     offset: Tensor  # the window's first position: kernel index 0
     band_bias: Tensor | None  # (H, max horizon) the whole scheme's bias by distance, for TableForms
-    options: dict[str, int] | None  # FlexAttention kernel options of the scheme (``flex.kernel_options``)
+    options: dict[str, int | str] | None  # FlexAttention kernel options of the scheme (``flex.kernel_options``)
 
     def gradients(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> list[Tensor]:
         """Each parameter's gradient, aligned with ``parameters``."""
