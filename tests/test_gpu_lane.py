@@ -77,11 +77,6 @@ def test_triton_kernels_compile_for_h100_and_fit_its_shared_memory() -> None:
 def cuda_branches(monkeypatch: pytest.MonkeyPatch):
     """The CUDA-only branches on CPU tensors, FlexAttention's dense backward allowed on CPU, a fresh dynamo."""
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
-    # Outside a compiled block the CUDA path calls the process-wide compiled FlexAttention; here it is compiled
-    # without inductor (the kernel's values come from FlexAttention's dense implementation).
-    monkeypatch.setattr(
-        flex, "compiled_flex_attention", lambda: torch.compile(flex_module.flex_attention, backend="aot_eager")
-    )
     torch._dynamo.reset()
     with forced_cuda_path(), warnings.catch_warnings():
         # As on CUDA: FlexAttention run unfused (every score materialised) is an error, not a warning.
@@ -140,7 +135,14 @@ def test_aot_eager_blocks_match_the_dense_reference(cuda_branches: None, kind: s
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_attention_statistics_over_compiled_flex_blocks(cuda_branches: None, kind: str) -> None:
+def test_attention_statistics_over_compiled_flex_blocks(
+    cuda_branches: None, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    # Outside a compiled block the CUDA path calls the process-wide compiled FlexAttention; here it is compiled
+    # without inductor (its values come from FlexAttention's dense implementation), which traces the same way.
+    monkeypatch.setattr(
+        flex, "compiled_flex_attention", lambda: torch.compile(flex_module.flex_attention, backend="aot_eager")
+    )
     name = KINDS[kind]
     reference = Decoder(name, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS, attention="eager")
     model = Decoder(name, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS, attention="auto")
