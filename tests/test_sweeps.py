@@ -15,7 +15,7 @@ from helpers import FAST, compose_train
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from posenc.config import CONF_DIR
+from posenc.config import CONF_DIR, encoding_choices
 from posenc.encodings import available
 from posenc.loggers import build_loggers
 from posenc.runs import read_checkpoint, write_done
@@ -171,6 +171,19 @@ def test_extrapolation_sweep_covers_every_scheme_seed_and_length(tmp_path: Path)
     assert {job.parent for job in jobs} == {Path("outputs/sweeps/extrapolation")}
     assert "eval=True" in result.stdout
     assert not (tmp_path / "outputs").exists()
+
+
+def test_gpu_reproduction_sweep_trains_every_config_at_512_with_the_small_model(tmp_path: Path) -> None:
+    listing = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", "repro_gpu"]
+    result = launch(tmp_path, command=listing)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = [Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")]
+    assert {name.rsplit("-", 2)[0] for name in names} >= set(available())
+    assert {name.rsplit("-", 2)[1] for name in names} == {"L512"} and len(names) == len(encoding_choices())
+    config = compose_train("+encoding=alibi", "experiment=repro_gpu")
+    assert (config.model.depth, config.model.dim, config.model.heads) == (12, 768, 12)
+    assert config.trainer.precision == "bf16-mixed" and config.compile == "auto"
+    assert list(config.eval.multiples) == [1, 2, 4, 8, 16, 32]
 
 
 def test_submitit_slurm_config_builds_the_expected_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
