@@ -98,7 +98,7 @@ def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
     """flex_attention compiled once per process (compiling per call would dominate the runtime), static shapes.
 
     ``dynamic=False``: every (batch, length) gets its own kernel. Automatic dynamic shapes (a symbolic length after
-    the first new one) crashed on an H100 with torch 2.11 (issue 13: a garbage shape from aot_autograd's
+    the first new one) crashed on an H100 with torch 2.11 (a garbage shape from aot_autograd's
     ``gen_alias_from_base``, as in pytorch/pytorch#185630), and static kernels are what ran there without a crash.
     Outside a compiled model (evaluation, the benchmark) this costs one compilation per evaluation shape and
     score_mod, a few seconds each; inside a compiled block the call is traced into the block's own graph.
@@ -113,7 +113,7 @@ def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
 
 # Tiles for score_mods that gather from a table: the default H100 forward tile (128 × 128, 3 stages, bf16, head
 # dim 64) needs 240 KiB of shared memory once the gathered bias is laid out, above Hopper's 227 KiB, and inductor
-# then finds no valid config (issue 13). Half-size tiles and two stages need well under half of that (an estimate
+# then finds no valid config on an H100. Half-size tiles and two stages need well under half of that (an estimate
 # from the tile sizes: K and V stages, the Q tile and the score tile; not yet measured on a GPU). All divide the
 # block mask's 128, as FlexAttention requires, and the backward's pairs divide each other.
 TABLE_KERNEL_OPTIONS = {
