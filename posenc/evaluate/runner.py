@@ -30,6 +30,7 @@ from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.retrieval import evaluate_retrieval_tasks
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.jsonio import dumps
+from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
 
 TASK_NAMES = ("passkey", "copy", *RETRIEVAL_TASKS)
 
@@ -204,10 +205,9 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     images: list[Path] = []
     if "perplexity" in results:
         _write_csv(out_dir / "perplexity.csv", results["perplexity"], exclude={"loss_by_position"})
-        longest = max(results["loss_by_position"], key=int, default=None)
-        if longest is not None:
-            curve = results["loss_by_position"][longest]
-            _write_csv(out_dir / "loss_by_position.csv", [{"position": i, "loss": v} for i, v in enumerate(curve)])
+        by_length = sorted(results["loss_by_position"].items(), key=lambda item: int(item[0]))
+        rows = [{"length": int(n), "position": i, "loss": v} for n, curve in by_length for i, v in enumerate(curve)]
+        _write_csv(out_dir / "loss_by_position.csv", rows)
         if plots:
             ok = [r for r in results["perplexity"] if r["error"] is None]
             images.append(
@@ -220,13 +220,12 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
                     train_len=train_len,
                 )
             )
-            if longest is not None:
-                x, y = smooth(results["loss_by_position"][longest])
+            if by_length:
                 images.append(
                     plot_lines(
-                        {label: (x, y, None)},
+                        {f"windows of {n}": (*smooth(curve), None) for n, curve in by_length},
                         out_dir / "loss_by_position.png",
-                        f"{label}: loss by position (windows of {longest})",
+                        f"{label}: loss by position, per evaluation length",
                         "position in window",
                         "loss (nats)",
                         train_len=train_len,
@@ -307,44 +306,51 @@ def print_results(results: dict[str, Any]) -> None:
             )
 
 
-def log_results(results: dict[str, Any], loggers: list[Logger], images: list[Path], step: int) -> None:
-    """Summary metrics to every logger; tables, line plots and images to W&B."""
+def log_results(
+    results: dict[str, Any], loggers: list[Logger], images: list[Path], step: int | None, namespace: str = "eval"
+) -> None:
+    """Every figure once, under ``namespace/`` (the output folder's name: ``eval``, ``eval_sliding_s32``, ...).
+
+    Scalars (``eval/ppl@4x``) go to every logger, which also makes them W&B's summary. W&B further gets each
+    table once, a line chart per table (``…_chart``: perplexity by length, loss by position with one line per
+    length) and the PNGs under ``namespace/plots/``, so that a chart and an image never share a key. Every
+    table row carries the run's label, steps and tokens trained, so tables of a sweep's runs compare directly.
+    """
     for logger in loggers:
-        logger.log_metrics({f"eval/{k}": v for k, v in results["summary"].items()}, step=step)
+        logger.log_metrics({f"{namespace}/{k}": v for k, v in results["summary"].items()}, step=step)
         if type(logger).__name__ != "WandbLogger":
             continue
         import wandb
 
-        run = logger.experiment
-        run.summary.update(results["summary"])
+        training = results.get("training") or {}
+        who = [results["label"], training.get("steps"), training.get("tokens")]
+        logged: dict[str, Any] = {}
         if "perplexity" in results:
-            columns = ["label", "length", "multiple", "loss", "ppl", "bpb", "ratio", "tokens"]
+            fields = ["length", "multiple", "loss", "ppl", "bpb", "ratio", "tokens"]
             table = wandb.Table(
-                columns=columns,
-                data=[
-                    [results["label"], *(r[c] for c in columns[1:])] for r in results["perplexity"] if not r["error"]
-                ],
+                columns=["label", "steps", "tokens_trained", *fields[:-1], "tokens_scored"],
+                data=[[*who, *(r[c] for c in fields)] for r in results["perplexity"] if not r["error"]],
             )
-            run.log(
-                {
-                    "eval/perplexity_table": table,
-                    "eval/ppl_vs_length": wandb.plot.line(table, "length", "ppl", title="perplexity vs length"),
-                }
+            logged[f"{namespace}/perplexity"] = table
+            logged[f"{namespace}/perplexity_chart"] = wandb.plot.line(
+                table, "length", "ppl", stroke="label", title=f"{results['label']}: perplexity vs evaluation length"
             )
-            longest = max(results["loss_by_position"], key=int, default=None)
-            if longest is not None:
-                x, y = smooth(results["loss_by_position"][longest])
-                curve = wandb.Table(
-                    columns=["position", "loss"], data=[[float(a), float(b)] for a, b in zip(x, y, strict=True)]
-                )
-                run.log({"eval/loss_by_position": wandb.plot.line(curve, "position", "loss", title="loss by position")})
+            curves = wandb.Table(columns=["length", "position", "loss"])
+            for length, curve in sorted(results["loss_by_position"].items(), key=lambda item: int(item[0])):
+                for x, y in zip(*smooth(curve), strict=True):
+                    curves.add_data(int(length), float(x), float(y))
+            logged[f"{namespace}/loss_by_position"] = curves
+            logged[f"{namespace}/loss_by_position_chart"] = wandb.plot.line(
+                curves, "position", "loss", stroke="length", title=f"{results['label']}: loss by position, per length"
+            )
         for name in (*TASK_NAMES, "attention_stats"):
-            if name in results:
+            if results.get(name):
                 rows = results[name]
-                run.log(
-                    {f"eval/{name}_table": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}
+                logged[f"{namespace}/{name}"] = wandb.Table(
+                    columns=["label", "steps", "tokens_trained", *rows[0]], data=[[*who, *r.values()] for r in rows]
                 )
-        run.log({f"eval/{image.stem}": wandb.Image(str(image)) for image in images})
+        logged.update({f"{namespace}/plots/{image.stem}": wandb.Image(str(image)) for image in images})
+        logger.experiment.log(logged)
 
 
 class ExtrapolationEval(Callback):
@@ -373,8 +379,17 @@ class ExtrapolationEval(Callback):
         # Lightning's teardown has moved the module back to CPU by now: evaluate on the training device.
         pl_module.model.to(trainer.strategy.root_device)
         stream = self.stream_fn() if self.stream_fn is not None else None
+        step, train_len = trainer.global_step, int(self.run_info["train_len"])
+        tokens_per_step = global_batch(trainer.datamodule.batch_size, trainer, train_len)["tokens_per_step"]
+        checkpoint = self.out_dir.parent / CHECKPOINT  # saved by now: Lightning's checkpointing ends with training
+        saved_step = read_checkpoint(checkpoint)[0] if checkpoint.is_file() else None
+        training = training_record(step, int(trainer.max_steps), tokens_per_step, saved_step)
         self.results = evaluate_model(
-            pl_module.model, run_info=self.run_info, eval_cfg=self.eval_cfg, stream=stream, task=self.task
+            pl_module.model,
+            run_info={**self.run_info, "training": training},
+            eval_cfg=self.eval_cfg,
+            stream=stream,
+            task=self.task,
         )
         images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
         print_results(self.results)

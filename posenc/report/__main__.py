@@ -19,6 +19,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read run summaries from W&B instead")
     parser.add_argument("--group", help="with --wandb: only this W&B group (a sweep)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="count runs whose training stopped before trainer.max_steps (as columns of their own)",
+    )
     args = parser.parse_args(argv)
     if not args.paths and not args.wandb:
         parser.error("give run/sweep directories, or --wandb ENTITY/PROJECT")
@@ -32,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results += results_from_wandb(args.wandb, args.group)
     first = Path(args.paths[0]) if args.paths else None
     out_dir = args.out or (first if first is not None and first.is_dir() else Path("report"))
-    print(build_report(results, out_dir, make_plots=not args.no_plots))
+    print(build_report(results, out_dir, make_plots=not args.no_plots, include_unfinished=args.include_unfinished))
     print(f"wrote {out_dir / 'report.md'}")
 
 

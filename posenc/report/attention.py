@@ -7,7 +7,7 @@ from typing import Any
 
 from posenc.evaluate.attention_stats import mean_by_length
 from posenc.identity import columns
-from posenc.report.common import Columns, cell, order, table_head
+from posenc.report.common import Appendix, Columns, cell, order, table_head
 
 ATTENTION_STATS = {
     "sink": "Sink mass: attention probability on the window's first token",
@@ -35,7 +35,7 @@ def attention_means(run: dict[str, Any], stat: str) -> dict[int, float]:
     return dict(zip(lengths, means, strict=True))
 
 
-def attention_tables(results: list[dict[str, Any]]) -> str:
+def attention_tables(results: list[dict[str, Any]], appendix: Appendix | None = None) -> str:
     """Sink mass, mean attended distance and entropy by length (mean over layers and heads), one column per scheme."""
     out = []
     for (train_len, data), by_label in sorted(attention_groups(results).items()):
@@ -48,7 +48,9 @@ def attention_tables(results: list[dict[str, Any]]) -> str:
                 f"{what}, averaged over every layer, head and query (but each window's first), mean ± std over seeds. "
                 "Per layer × head: each run's eval/attention_stats.csv and attention_heatmaps.png.",
                 "",
-                *table_head(by_label, labels),
+                *table_head(
+                    by_label, labels, title=f"Attention, trained at L={train_len} on {data}", appendix=appendix
+                ),
             ]
             for length in lengths:
                 cells = [

@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from posenc.identity import columns
-from posenc.report.common import Columns, Key, cell, order, table_head
+from posenc.report.common import Appendix, Columns, Key, cell, order, table_head
 
 
 def group_runs(results: list[dict[str, Any]]) -> dict[Key, Columns]:
@@ -31,16 +31,17 @@ def value(run: dict[str, Any], length: int, field: str) -> float | None:
     return None
 
 
-def perplexity_tables(key: Key, by_label: Columns) -> str:
+def perplexity_tables(key: Key, by_label: Columns, appendix: Appendix | None = None) -> str:
     """Perplexity and its ratio to in-length perplexity by length, one column per pooled identity."""
     train_len, mode, stride = key
     labels = order(by_label)
     lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
     tokens = sorted({row["tokens"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
     how = mode + (f", stride {stride}" if stride else "")
-    head = table_head(by_label, labels)
+    title = f"Trained at L={train_len} — {how}"
+    head = table_head(by_label, labels, title=title, appendix=appendix)
     out = [
-        f"## Trained at L={train_len} — {how}",
+        f"## {title}",
         "",
         f"Perplexity on held-out text, mean ± std over seeds; {', '.join(map(str, tokens))} tokens scored at every "
         "length (the same tokens), so lengths are comparable. Each column pools runs whose settings differ only in "

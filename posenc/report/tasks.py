@@ -8,25 +8,26 @@ from collections.abc import Sequence
 from typing import Any
 
 from posenc.identity import columns
-from posenc.report.common import Columns, cell, order, table_head
+from posenc.report.common import Appendix, Columns, cell, order, table_head
 
 TASKS = ("passkey", "copy")
 
 
-def task_tables(results: list[dict[str, Any]], tasks: Sequence[str] = TASKS) -> str:
+def task_tables(results: list[dict[str, Any]], tasks: Sequence[str] = TASKS, appendix: Appendix | None = None) -> str:
     """Accuracy of each task by length (passkey: mean over depths), per training length."""
     out = []
     for task in tasks:
         for train_len, by_label in sorted(task_columns(results, task).items()):
             labels = order(by_label)
             lengths = sorted({row["length"] for runs_ in by_label.values() for run in runs_ for row in run[task]})
+            title = f"{task} accuracy, trained at L={train_len}"
             out += [
-                f"## {task} accuracy, trained at L={train_len}",
+                f"## {title}",
                 "",
                 "Exact-match accuracy (passkey: mean over key depths), mean ± std over seeds (runs that differ only "
                 "in their seed).",
                 "",
-                *table_head(by_label, labels),
+                *table_head(by_label, labels, title=title, appendix=appendix),
             ]
             for length in lengths:
                 cells = [cell(task_accuracies(by_label[label], task, length)) for label in labels]

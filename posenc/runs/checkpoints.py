@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import to_container
-from posenc.runs.records import CHECKPOINT, RunError
+from posenc.runs.records import CHECKPOINT, RUN_FILE, RunError, read_json, training_record
 
 if TYPE_CHECKING:
     from posenc.data.datamodule import TaskDataModule, TextDataModule
@@ -79,6 +79,22 @@ def read_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
     if "global_step" not in state:
         raise RunError(f"{path} is not a Lightning checkpoint (no global_step): point at a posenc checkpoint")
     return int(state["global_step"]), dict(state.get("hyper_parameters", {}).get("config", {}))
+
+
+def checkpoint_training(path: Path, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``training`` record of a checkpoint's weights: its step, tokens and whether the run finished.
+
+    Tokens per step come from the checkpoint's ``TokenAccounting`` state (the world size is only known while
+    training), else from the run's ``run.json``; an older checkpoint without either records no token count.
+    """
+    state = load_checkpoint(path, mmap=True)
+    step = int(state.get("global_step", 0))
+    accounting = (state.get("callbacks") or {}).get("TokenAccounting") or {}
+    tokens_per_step = accounting.get("tokens_per_step")
+    summary = path.parent.parent / RUN_FILE
+    if tokens_per_step is None and summary.is_file():
+        tokens_per_step = read_json(summary).get("tokens_per_step")
+    return training_record(step, int(config["trainer"]["max_steps"]), tokens_per_step, step)
 
 
 def load_module(checkpoint: Path, device: str, attention: str | None) -> tuple[LitDecoder, dict[str, Any]]:

@@ -80,6 +80,31 @@ def update_run_summary(run_dir: Path, eval_summary: dict[str, Any]) -> None:
         write_json(path, summary)
 
 
+def global_batch(batch_size: int, trainer: Any, seq_len: int) -> dict[str, int]:
+    """What one optimizer step consumes across all ranks of a Lightning ``trainer`` (run.json, loggers, results)."""
+    windows = batch_size * trainer.accumulate_grad_batches * trainer.world_size
+    return {"world_size": trainer.world_size, "global_batch_size": windows, "tokens_per_step": windows * seq_len}
+
+
+def training_record(
+    steps: int, max_steps: int, tokens_per_step: int | None, checkpoint_step: int | None
+) -> dict[str, Any]:
+    """What the evaluated weights were trained for, recorded in every ``results.json`` (``training``).
+
+    ``steps`` is the optimizer steps behind the evaluated weights, ``checkpoint_step`` the step of the checkpoint
+    they came from (or of the run's last one), ``finished`` whether they reached ``trainer.max_steps``: the report
+    leaves unfinished runs out of its columns unless asked, and ``posenc.evaluate`` warns about them.
+    """
+    return {
+        "steps": steps,
+        "max_steps": max_steps,
+        "finished": steps >= max_steps,
+        "tokens": steps * tokens_per_step if tokens_per_step else None,
+        "tokens_per_step": tokens_per_step,
+        "checkpoint_step": checkpoint_step,
+    }
+
+
 def wandb_id(run_dir: Path) -> str:
     """The W&B run id of this run directory, created once: a resumed single run continues its own W&B run."""
     path = run_dir / WANDB_ID_FILE
