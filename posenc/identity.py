@@ -41,6 +41,7 @@ RESULT_FIELDS = {
     "eval",
     "summary",
     "training",
+    "trained_task",
 }
 SEPARATOR = " · "
 UNSET = "(unset)"

@@ -282,7 +282,7 @@ def test_task_training_is_scored_on_the_task(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "perplexity" not in results
     assert sorted({row["length"] for row in results["passkey"]}) == [16, 32]
-    assert set(summary["eval"]) == {"passkey_acc@1x", "passkey_acc@2x"}
+    assert set(summary["eval"]) == {"passkey_acc@1x", "passkey_acc@2x", "passkey_byte_acc@1x", "passkey_byte_acc@2x"}
 
 
 def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:

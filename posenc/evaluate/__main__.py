@@ -121,7 +121,7 @@ def _log_to_wandb(
     """Resume the run's own W&B run (its id from the saved config or ``wandb_id``) and log under ``namespace``."""
     from lightning.pytorch.loggers import WandbLogger
 
-    from posenc.evaluate.runner import log_results
+    from posenc.evaluate.wandb_tables import log_results
     from posenc.loggers import resolve_wandb_mode
     from posenc.runs import WANDB_ID_FILE
 

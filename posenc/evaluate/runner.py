@@ -17,18 +17,18 @@ from typing import Any
 import lightning as L
 import numpy as np
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from posenc.compiling import eager_blocks
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.encodings.base import PositionalEncoding
-from posenc.evaluate import RESULTS_FILE
+from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RESULTS_FILE
 from posenc.evaluate.attention_stats import attention_plots, attention_stats_by_length, attention_summary, stats_windows
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.retrieval import evaluate_retrieval_tasks
-from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
+from posenc.evaluate.tasks import CHANCE_PER_BYTE, evaluate_copy, evaluate_passkey
+from posenc.evaluate.wandb_tables import log_results
 from posenc.jsonio import dumps
 from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
 
@@ -102,6 +102,7 @@ def _evaluate(
     train_len = int(run_info["train_len"])
     lengths = [int(m * train_len) for m in eval_cfg["multiples"]]
     results: dict[str, Any] = {**run_info, "eval": {k: v for k, v in eval_cfg.items() if k != "plots"}}
+    results["trained_task"] = task  # a task scored on a model trained on something else measures its format
     batch_tokens = eval_cfg.get("tokens_per_batch", 16384)
     if stream is not None:
         available = [length for length in lengths if length < len(stream)]
@@ -163,11 +164,13 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
                 out[f"ppl_ratio@{tag}"] = row["ratio"]
     train_len = results["train_len"]
     for name in TASK_NAMES:
-        by_length: dict[int, list[float]] = {}
-        for row in results.get(name, []):
-            by_length.setdefault(row["length"], []).append(row["accuracy"])
-        for length, accs in by_length.items():
-            out[f"{name}_acc@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
+        for field, key in (("accuracy", "acc"), ("token_accuracy", "byte_acc")):
+            by_length: dict[int, list[float]] = {}
+            for row in results.get(name, []):
+                if field in row:
+                    by_length.setdefault(row["length"], []).append(row[field])
+            for length, accs in by_length.items():
+                out[f"{name}_{key}@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
     for (stat, length), value in attention_summary(results.get("attention_stats") or []).items():
         out[f"attn_{stat}@{_multiple_tag(length / train_len)}"] = value
     return out
@@ -218,6 +221,8 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
                     "evaluation length (tokens)",
                     "perplexity",
                     train_len=train_len,
+                    logy=True,
+                    min_span=PPL_MIN_SPAN,
                 )
             )
             if by_length:
@@ -229,6 +234,7 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
                         "position in window",
                         "loss (nats)",
                         train_len=train_len,
+                        min_span=LOSS_MIN_SPAN,
                     )
                 )
     if "passkey" in results:
@@ -250,14 +256,21 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
         _write_csv(out_dir / f"{name}.csv", results[name])
         if plots:
             rows = results[name]
+            lengths = [r["length"] for r in rows]
             images.append(
                 plot_lines(
-                    {label: ([r["length"] for r in rows], [r["accuracy"] for r in rows], None)},
+                    {
+                        f"{label}, exact match": (lengths, [r["accuracy"] for r in rows], None),
+                        f"{label}, per byte": (lengths, [r.get("token_accuracy") for r in rows], None),
+                    },
                     out_dir / f"{name}.png",
-                    f"{label}: {name} accuracy",
+                    f"{label}: {name} accuracy"
+                    + ("" if results.get("trained_task") == name else " (not trained on it)"),
                     "length",
-                    "exact-match accuracy",
+                    "accuracy",
                     train_len=train_len,
+                    ylim=ACCURACY_LIMITS,
+                    references={"per-byte chance": CHANCE_PER_BYTE[name]},
                 )
             )
     if "attention_stats" in results:
@@ -285,6 +298,13 @@ def print_results(results: dict[str, Any]) -> None:
         mode = rows[0]["mode"] + (f", stride {rows[0]['stride']}" if rows[0]["stride"] else "")
         scored = rows[0]["tokens"]
         print(f"\nPerplexity of {label} trained at L={train_len} ({mode}; {scored} tokens scored at each length):")
+        data = (results.get("config") or {}).get("data") or {}
+        if data.get("val_windows"):  # two perplexities at 1×: say why they differ
+            print(
+                f"  (1× here scores the first {scored} tokens of the {results['eval'].get('split', 'validation')} "
+                f"split; training's val/ppl scored its first {data['val_windows'] * train_len}, so the two "
+                "differ by sample, not by method)"
+            )
         print(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
         for r in rows:
             if r["error"]:
@@ -295,8 +315,12 @@ def print_results(results: dict[str, Any]) -> None:
                 print(f"  {r['length']:>7} {r['multiple']:>5g} {figures}")
     for name in TASK_NAMES:
         if name in results:
-            accs = {k: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
-            print(f"{name} accuracy by length: " + ", ".join(f"{k.split('@')[1]} {v:.2f}" for k, v in accs.items()))
+            exact = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
+            byte = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_byte_acc@")}
+            shown = ", ".join(f"{m} {v:.2f} ({byte.get(m, float('nan')):.2f} per byte)" for m, v in exact.items())
+            print(f"{name} accuracy by length: {shown}; per-byte chance {CHANCE_PER_BYTE[name]:.2f}")
+            if results.get("trained_task") != name:
+                print(f"  ({label} was not trained on {name}'s format: these figures measure the format, not recall)")
     for stat in ("sink", "distance"):
         values = {k: v for k, v in results["summary"].items() if k.startswith(f"attn_{stat}@")}
         if values:
@@ -304,53 +328,6 @@ def print_results(results: dict[str, Any]) -> None:
                 f"attention {stat} (mean over layers and heads) by length: "
                 + ", ".join(f"{k.split('@')[1]} {v:.3g}" for k, v in values.items())
             )
-
-
-def log_results(
-    results: dict[str, Any], loggers: list[Logger], images: list[Path], step: int | None, namespace: str = "eval"
-) -> None:
-    """Every figure once, under ``namespace/`` (the output folder's name: ``eval``, ``eval_sliding_s32``, ...).
-
-    Scalars (``eval/ppl@4x``) go to every logger, which also makes them W&B's summary. W&B further gets each
-    table once, a line chart per table (``…_chart``: perplexity by length, loss by position with one line per
-    length) and the PNGs under ``namespace/plots/``, so that a chart and an image never share a key. Every
-    table row carries the run's label, steps and tokens trained, so tables of a sweep's runs compare directly.
-    """
-    for logger in loggers:
-        logger.log_metrics({f"{namespace}/{k}": v for k, v in results["summary"].items()}, step=step)
-        if type(logger).__name__ != "WandbLogger":
-            continue
-        import wandb
-
-        training = results.get("training") or {}
-        who = [results["label"], training.get("steps"), training.get("tokens")]
-        logged: dict[str, Any] = {}
-        if "perplexity" in results:
-            fields = ["length", "multiple", "loss", "ppl", "bpb", "ratio", "tokens"]
-            table = wandb.Table(
-                columns=["label", "steps", "tokens_trained", *fields[:-1], "tokens_scored"],
-                data=[[*who, *(r[c] for c in fields)] for r in results["perplexity"] if not r["error"]],
-            )
-            logged[f"{namespace}/perplexity"] = table
-            logged[f"{namespace}/perplexity_chart"] = wandb.plot.line(
-                table, "length", "ppl", stroke="label", title=f"{results['label']}: perplexity vs evaluation length"
-            )
-            curves = wandb.Table(columns=["length", "position", "loss"])
-            for length, curve in sorted(results["loss_by_position"].items(), key=lambda item: int(item[0])):
-                for x, y in zip(*smooth(curve), strict=True):
-                    curves.add_data(int(length), float(x), float(y))
-            logged[f"{namespace}/loss_by_position"] = curves
-            logged[f"{namespace}/loss_by_position_chart"] = wandb.plot.line(
-                curves, "position", "loss", stroke="length", title=f"{results['label']}: loss by position, per length"
-            )
-        for name in (*TASK_NAMES, "attention_stats"):
-            if results.get(name):
-                rows = results[name]
-                logged[f"{namespace}/{name}"] = wandb.Table(
-                    columns=["label", "steps", "tokens_trained", *rows[0]], data=[[*who, *r.values()] for r in rows]
-                )
-        logged.update({f"{namespace}/plots/{image.stem}": wandb.Image(str(image)) for image in images})
-        logger.experiment.log(logged)
 
 
 class ExtrapolationEval(Callback):

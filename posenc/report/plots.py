@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RATIO_MIN_SPAN
+from posenc.evaluate.tasks import CHANCE_PER_BYTE
 from posenc.report.attention import attention_groups, attention_means
 from posenc.report.common import Columns, Key, mean_std, order
 from posenc.report.perplexity import value
@@ -20,7 +22,10 @@ def perplexity_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
     images = []
     for (train_len, mode, stride), by_label in sorted(groups.items(), key=lambda item: str(item[0])):
         suffix = f"L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
-        for field, ylabel, logy in (("ppl", "perplexity", True), ("ratio", "perplexity / in-length perplexity", True)):
+        for field, ylabel, span, include in (
+            ("ppl", "perplexity", PPL_MIN_SPAN, ()),
+            ("ratio", "perplexity / in-length perplexity", RATIO_MIN_SPAN, (1.0,)),
+        ):
             series = {}
             for label in order(by_label):
                 lengths = sorted({row["length"] for run in by_label[label] for row in run["perplexity"]})
@@ -36,7 +41,9 @@ def perplexity_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
                     "evaluation length (tokens)",
                     ylabel,
                     train_len=train_len,
-                    logy=logy,
+                    logy=True,
+                    min_span=span,
+                    include=include,
                 )
             )
         curves = {}
@@ -58,33 +65,41 @@ def perplexity_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
                     "position in window",
                     "loss (nats)",
                     train_len=train_len,
+                    min_span=LOSS_MIN_SPAN,
                 )
             )
     return images
 
 
 def task_plots(results: list[dict[str, Any]], out_dir: Path, tasks: Sequence[str] = TASKS) -> list[Path]:
-    """Accuracy vs length, one line per scheme, per task and training length."""
+    """Exact-match and per-byte accuracy vs length (0 to 1, per-byte chance marked), one line per scheme."""
     from posenc.evaluate.plots import plot_lines  # matplotlib only when plotting
 
     images = []
     for task in tasks:
         for train_len, by_label in sorted(task_columns(results, task).items()):
-            series = {}
-            for label in order(by_label):
-                lengths = sorted({row["length"] for run in by_label[label] for row in run[task]})
-                stats = [mean_std(task_accuracies(by_label[label], task, length)) for length in lengths]
-                series[label] = (lengths, [m for m, _, _ in stats], [s for _, s, _ in stats])
-            images.append(
-                plot_lines(
-                    series,
-                    out_dir / f"{task}_accuracy_L{train_len}.png",
-                    f"{task} accuracy vs length (trained at L={train_len})",
-                    "evaluation length (tokens)",
-                    "exact-match accuracy",
-                    train_len=train_len,
+            for field, what, suffix in (("accuracy", "exact-match", ""), ("token_accuracy", "per-byte", "_per_byte")):
+                series = {}
+                for label in order(by_label):
+                    lengths = sorted({row["length"] for run in by_label[label] for row in run[task]})
+                    stats = [mean_std(task_accuracies(by_label[label], task, n, field=field)) for n in lengths]
+                    kept = [(n, m, sd) for n, (m, sd, count) in zip(lengths, stats, strict=True) if count]
+                    if kept:
+                        series[label] = ([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept])
+                if not series:
+                    continue
+                images.append(
+                    plot_lines(
+                        series,
+                        out_dir / f"{task}_accuracy{suffix}_L{train_len}.png",
+                        f"{task} {what} accuracy vs length (trained at L={train_len})",
+                        "evaluation length (tokens)",
+                        f"{what} accuracy",
+                        train_len=train_len,
+                        ylim=ACCURACY_LIMITS,
+                        references={"per-byte chance": CHANCE_PER_BYTE[task]} if suffix else None,
+                    )
                 )
-            )
     return images
 
 
@@ -110,6 +125,7 @@ def attention_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                     ylabel,
                     train_len=train_len,
                     logy=logy,
+                    min_span=PPL_MIN_SPAN if logy else None,
                 )
             )
     return images
