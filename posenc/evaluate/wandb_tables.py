@@ -18,10 +18,11 @@ def log_results(
 ) -> None:
     """Every figure once, under ``namespace/`` (the output folder's name: ``eval``, ``eval_sliding_s32``, ...).
 
-    Scalars (``eval/ppl@4x``) go to every logger, which also makes them W&B's summary. W&B further gets each
-    table once, a line chart per table (``…_chart``: perplexity by length, loss by position with one line per
-    length) and the PNGs under ``namespace/plots/``, so that a chart and an image never share a key. Every
-    table row carries the run's label, steps and tokens trained, so tables of a sweep's runs compare directly.
+    Scalars (``eval/ppl@4x``) go to every logger, which also makes them W&B's summary. W&B further gets a line
+    chart of perplexity by length and one of loss by position (a line per length), each with its table
+    (``eval/perplexity_table``, ``eval/loss_by_position_table``, logged with the chart, once), the task tables,
+    and the PNGs under ``namespace/plots/``, so that a chart and an image never share a key. Every perplexity and
+    task row carries the run's label, steps and tokens trained: a sweep group's tables compare directly.
     """
     for logger in loggers:
         logger.log_metrics({f"{namespace}/{k}": v for k, v in results["summary"].items()}, step=step)
@@ -38,16 +39,14 @@ def log_results(
                 columns=["label", "steps", "tokens_trained", *fields[:-1], "tokens_scored"],
                 data=[[*who, *(r[c] for c in fields)] for r in results["perplexity"] if not r["error"]],
             )
-            logged[f"{namespace}/perplexity"] = table
-            logged[f"{namespace}/perplexity_chart"] = wandb.plot.line(
+            logged[f"{namespace}/perplexity"] = wandb.plot.line(
                 table, "length", "ppl", stroke="label", title=f"{results['label']}: perplexity vs evaluation length"
             )
             curves = wandb.Table(columns=["length", "position", "loss"])
             for length, curve in sorted(results["loss_by_position"].items(), key=lambda item: int(item[0])):
                 for x, y in zip(*smooth(curve), strict=True):
                     curves.add_data(int(length), float(x), float(y))
-            logged[f"{namespace}/loss_by_position"] = curves
-            logged[f"{namespace}/loss_by_position_chart"] = wandb.plot.line(
+            logged[f"{namespace}/loss_by_position"] = wandb.plot.line(
                 curves, "position", "loss", stroke="length", title=f"{results['label']}: loss by position, per length"
             )
         for name in TASK_TABLES:
