@@ -1,6 +1,6 @@
 """``python -m posenc.bench``: what each positional scheme costs, measured against the no-bias limit in one run.
 
-Three measurements, all configured in ``conf/bench.yaml`` (defaults: the H100 anchor's shapes):
+Three measurements, all configured in ``conf/bench.yaml`` (defaults: the shapes of docs/benchmarks.md's H100 reference):
 
 - attention: for each length × scheme × backend, the forward and forward+backward median time, tokens/s, peak
   memory (CUDA: ``max_memory_allocated`` above what the inputs hold; CPU: not measured, "n/a"), and the ratio to

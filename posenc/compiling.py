@@ -1,6 +1,6 @@
 """When and how the model is compiled: each block with static shapes in training, nothing compiled in evaluation.
 
-The design follows issue 13's measurements on an H100 (torch 2.11): compiled blocks crashed at the first training
+The design follows measurements on an H100 (torch 2.11): compiled blocks crashed at the first training
 step for ALiBi and T5 (a garbage shape from aot_autograd's ``gen_alias_from_base``, cf. pytorch/pytorch#185630)
 when torch's automatic dynamic shapes recompiled them with a symbolic batch and length, the validation batches
 having another shape than the training ones; with automatic dynamic shapes off, the same runs trained and

@@ -21,10 +21,21 @@ def _label(encoding: Any) -> str:
     return encoding_label(encoding)
 
 
+def _data_tag(task: str | None) -> str:
+    return f"-{task}" if task else ""
+
+
 def register_resolvers() -> None:
-    """``${posenc.label:${encoding}}``: the readable scheme name used in run names and directories."""
+    """The resolvers run names are made of.
+
+    ``${posenc.label:${encoding}}``: the readable scheme name used in run names and directories;
+    ``${posenc.data_tag:${oc.select:data.task,null}}``: ``-passkey`` for a task run, nothing for text, so that a
+    text run and a task run of one scheme never share a directory.
+    """
     if not OmegaConf.has_resolver("posenc.label"):
         OmegaConf.register_new_resolver("posenc.label", _label)
+    if not OmegaConf.has_resolver("posenc.data_tag"):
+        OmegaConf.register_new_resolver("posenc.data_tag", _data_tag)
 
 
 def encoding_choices() -> list[str]:

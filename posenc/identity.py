@@ -29,7 +29,20 @@ NOT_IDENTITY = ("seed", "data.corpus_options.paths", "eval", "label", "data_info
 # Evaluation settings that change how, not what, is computed.
 EVAL_RUNTIME = ("plots", "at_end", "tokens_per_batch")
 # What every results.json holds besides settings: identity, figures, bookkeeping.
-RESULT_FIELDS = {"label", "train_len", "seed", "encoding", "model", "data", "run_name", "config", "eval", "summary"}
+RESULT_FIELDS = {
+    "label",
+    "train_len",
+    "seed",
+    "encoding",
+    "model",
+    "data",
+    "run_name",
+    "config",
+    "eval",
+    "summary",
+    "training",
+    "trained_task",
+}
 SEPARATOR = " · "
 UNSET = "(unset)"
 
@@ -81,6 +94,9 @@ def identity(result: Mapping[str, Any]) -> dict[str, Any]:
         }
     else:
         settings["encoding"] = result.get("label")
+    steps = (result.get("training") or {}).get("steps")
+    if steps is not None:  # weights trained for fewer steps (an interrupted run) are another experiment
+        settings["training.steps"] = steps
     data = result.get("data") or {}
     settings["data.fingerprint"] = data.get("fingerprint") or data.get("task")
     for key, value in experiment_settings(result.get("eval") or {}).items():

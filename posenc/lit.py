@@ -39,7 +39,8 @@ class LitDecoder(L.LightningModule):
 
     def __init__(self, config: dict[str, Any], vocab_size: int) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        # In every checkpoint, not in the loggers: the run's loggers get the config once, from posenc.training.
+        self.save_hyperparameters(logger=False)
         self.model = Decoder(
             encoding=config["encoding"], vocab_size=vocab_size, attention=config["attention"]["name"], **config["model"]
         )

@@ -16,6 +16,7 @@ import csv
 import netrc
 import os
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -75,7 +76,9 @@ class ResumedCSVLogger(CSVLogger):
                 reader = csv.DictReader(handle)
                 header = list(reader.fieldnames or [])
                 rows = [row for row in reader if not row.get("step") or int(float(row["step"])) < self.resume_step]
-        writer = super().experiment  # creates the writer, which deletes metrics.csv
+        with warnings.catch_warnings():  # "previous log files will be deleted": not so, they are continued here
+            warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+            writer = super().experiment  # creates the writer, which deletes metrics.csv
         if header:
             with path.open("w", newline="") as handle:
                 out = csv.DictWriter(handle, fieldnames=header)

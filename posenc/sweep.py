@@ -27,6 +27,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -155,6 +156,11 @@ def check_launch(config: DictConfig) -> None:
     trainer = OmegaConf.to_container(config.trainer, resolve=True)
     assert isinstance(trainer, dict)
     launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
+    if launcher.endswith("SlurmLauncher") and shutil.which("srun") is None:  # submitit would fail mid-launch
+        raise SweepError(
+            f"launcher={_launcher_name(config)} submits the sweep to SLURM, but there is no `srun` on this machine: "
+            "launch it from a SLURM login node, or run it here with launcher=submitit_local or the default launcher"
+        )
     procs = processes_per_node(trainer)
     if launcher.startswith(TASK_LAUNCHERS):
         devices = trainer.get("devices")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import shlex
 import sys
 from collections.abc import Iterator
@@ -70,14 +71,27 @@ class _Tee(io.TextIOBase):
 
 @contextlib.contextmanager
 def console_into(path: Path) -> Iterator[None]:
-    """Copy everything the console shows (stdout and stderr) into ``path``: ``train.log`` holds the whole run."""
+    """Copy everything the console shows (stdout and stderr) into ``path``: ``train.log`` holds the whole run.
+
+    Log handlers that write to the console (Hydra's, which carries Lightning's records) write through the copy too.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as log:
         stdout, stderr = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(stdout, log), _Tee(stderr, log)
+        consoles = {id(stdout): sys.stdout, id(stderr): sys.stderr}
+        handlers = [
+            (handler, handler.stream)
+            for handler in logging.getLogger().handlers
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in consoles
+        ]
+        for handler, stream in handlers:
+            handler.setStream(consoles[id(stream)])
         try:
             yield
         finally:
+            for handler, stream in handlers:
+                handler.setStream(stream)
             sys.stdout, sys.stderr = stdout, stderr
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +28,7 @@ from posenc.runs import (
     RunError,
     build_datamodule,
     check_data,
+    global_batch,
     read_checkpoint,
     resume_checkpoint,
     run_info,
@@ -39,6 +41,22 @@ from posenc.runs import (
 # Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
 # training windows are numbered, and a resumed run starts after those it trained on (TokenAccounting).
 warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+
+
+def route_lightning_logging() -> None:
+    """Lightning's records through the application's handlers only (Hydra's console), so each prints once.
+
+    Lightning attaches its own console handler to its loggers when it is imported; under Hydra, whose root handler
+    also receives them, every line (the model summary, the Ctrl-C notice) would print twice. Without handlers on
+    the root logger (the Python API, tests) Lightning's own stay.
+    """
+    if not logging.getLogger().handlers:
+        return
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
 
 
 def resolve_precision(requested: str, accelerator: str) -> str:
@@ -82,6 +100,10 @@ class TokenAccounting(Callback):
                 + (f"; resuming at step {self.resume_step}" if self.resume_step else "")
             )
 
+    def state_dict(self) -> dict[str, int]:
+        """Saved in every checkpoint, so that evaluating one later knows the tokens it was trained on."""
+        return dict(self.accounting)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.last_step, self.last_time = trainer.global_step, time.perf_counter()
 
@@ -105,12 +127,6 @@ class TokenAccounting(Callback):
             self.paused_at = None
 
 
-def global_batch(batch_size: int, trainer: L.Trainer, seq_len: int) -> dict[str, int]:
-    """What one optimizer step consumes across all ranks (recorded in run.json and the loggers)."""
-    windows = batch_size * trainer.accumulate_grad_batches * trainer.world_size
-    return {"world_size": trainer.world_size, "global_batch_size": windows, "tokens_per_step": windows * seq_len}
-
-
 class SaveOnInterrupt(Callback):
     """Ctrl-C: save ``last.ckpt`` at the current step and print the command that resumes the run."""
 
@@ -132,6 +148,7 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
     did not finish, which is how a relaunched sweep tells what to skip. A non-finite loss stops the run with
     ``failed.json`` and a ``RunError`` naming the step; the last checkpoint on disk is the last good one.
     """
+    route_lightning_logging()
     resume = resume_checkpoint(config.get("resume"), run_dir)
     resume_step = read_checkpoint(resume)[0] if resume is not None else 0
     L.seed_everything(config["seed"], workers=True, verbose=False)

@@ -74,7 +74,7 @@ def test_training_graphs_are_static_and_evaluation_compiles_nothing() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_aot_eager_traces_train_validation_and_evaluation_shapes(attention: str) -> None:
-    # aot_eager runs aot_autograd (where issue 13's crash came from) on the real Decoder: the training step, the
+    # aot_eager runs aot_autograd (where the H100 crash came from) on the real Decoder: the training step, the
     # validation shapes, then the evaluation lengths uncompiled; losses and gradients equal the eager model's.
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

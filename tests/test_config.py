@@ -50,6 +50,9 @@ def test_required_groups_exist() -> None:
 
 def test_run_names_are_readable() -> None:
     assert compose_train("+encoding=rnope").run_name == "rope×3,nope-L64-s0"
+    # A text run and a task run of one scheme never share a directory.
+    assert compose_train("+encoding=alibi", "data=passkey").run_name == "alibi-passkey-L64-s0"
+    assert compose_train("+encoding=alibi", "data=text").run_name == "alibi-L64-s0"
     assert compose_train("+encoding=rope_alibi", "seed=2").run_name == "rope+alibi-L64-s2"
 
 

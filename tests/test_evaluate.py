@@ -217,7 +217,7 @@ def test_report_builds_the_expected_table(tmp_path: Path) -> None:
     _fake_result("sinusoidal", 0, [10.0, 40.0, 200.0], tmp_path)
     markdown = build_report(find_results([tmp_path]), tmp_path / "report")
     lines = markdown.splitlines()
-    assert "| length | ×L | alibi (n=2) | sinusoidal (n=1) |" in lines
+    assert "| length | ×L | alibi (n=2 · ? steps · ? tokens) | sinusoidal (n=1 · ? steps · ? tokens) |" in lines
     assert "| 64 | 1 | 11.00 ± 1.41 | 10.00 |" in lines
     assert "| 256 | 4 | 11.50 ± 2.12 | 200.00 |" in lines
     assert "| 256 | 4 | 1.042 ± 0.059 | 20.000 |" in lines  # ratio table: (1.0, 13/12) and 20
@@ -253,9 +253,9 @@ def test_standalone_evaluate_writes_results(trained_run: Path, tmp_path: Path) -
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    saved = json.loads((trained_run / "eval_sliding_s8" / "results.json").read_text())
+    saved = json.loads((trained_run / "eval_sliding_s8_multiples1-2_max_tokens512" / "results.json").read_text())
     assert saved["label"] == "alibi" and [r["length"] for r in saved["perplexity"]] == [16, 32]
-    assert (trained_run / "eval_sliding_s8" / "ppl_vs_length.png").exists()
+    assert (trained_run / "eval_sliding_s8_multiples1-2_max_tokens512" / "ppl_vs_length.png").exists()
     assert list(tmp_path.iterdir()) == []  # nothing written to the working directory
 
 
@@ -282,7 +282,7 @@ def test_task_training_is_scored_on_the_task(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "perplexity" not in results
     assert sorted({row["length"] for row in results["passkey"]}) == [16, 32]
-    assert set(summary["eval"]) == {"passkey_acc@1x", "passkey_acc@2x"}
+    assert set(summary["eval"]) == {"passkey_acc@1x", "passkey_acc@2x", "passkey_byte_acc@1x", "passkey_byte_acc@2x"}
 
 
 def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 The default selection checks correctness on small shapes through the paths training uses (compiled FlexAttention,
 compiled blocks with static shapes, uncompiled evaluation), that table biases compile within Hopper's shared
 memory, and that no path ever falls back to the unfused FlexAttention (its warning is an error in every test
-here). Speed against issue 14's targets is separate: ``pytest -m "gpu and slow"``. Every test has a timeout
+here). Speed against the targets is separate: ``pytest -m "gpu and slow"``. Every test has a timeout
 (pytest-timeout), so a hang fails its test instead of the whole run.
 """
 
@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-HEADS, HEAD_DIM = 12, 64  # the anchor benchmark's attention shape
+HEADS, HEAD_DIM = 12, 64  # the H100 reference benchmark's attention shape (docs/benchmarks.md)
 # Every gradient form in few compilations: the stack holds KERPLE-log's derivatives and T5's table, kerple_power
 # its own pair of derivatives (each scheme against eager on small shapes is the CPU suite's job).
 LEARNABLE = ["kerple_power", "alibi+kerple_log+t5"]
@@ -166,7 +166,7 @@ def test_64k_batch_one_forward_fits(name: str) -> None:
 @pytest.mark.timeout(240)
 def test_compiled_training_validation_and_evaluation_match_eager() -> None:
     """The run a user starts: compiled blocks (inductor, static shapes) for training and validation, whose shapes
-    differ (issue 13's crash), then evaluation at new lengths with the blocks uncompiled; against eager. One layer
+    differ (an H100 crash), then evaluation at new lengths with the blocks uncompiled; against eager. One layer
     through ``flex`` (ALiBi's crash) and one through ``flex_learnable`` (T5's).
     """
     encoding = ["rope+alibi", "t5"]
@@ -197,7 +197,7 @@ def test_compiled_training_validation_and_evaluation_match_eager() -> None:
                 torch.testing.assert_close(model(probe), reference(probe), atol=1e-4, rtol=1e-4)
 
 
-# Issue 14's targets (fwd+bwd, bf16, ratio to SDPA flash without a bias in the same process), with 15% margin for
+# The speed targets (fwd+bwd, bf16, ratio to SDPA flash without a bias in the same process), with 15% margin for
 # timing noise: fixed biases and rotations ≤ 1.3×, learnable biases ≤ 1.5×.
 TARGETS = {"alibi": 1.3, "rope": 1.3, "xpos": 1.3, "kerple_log": 1.5, "kerple_power": 1.5, "t5": 1.5}
 MARGIN = 1.15
@@ -227,7 +227,7 @@ def test_speed_against_the_issue_targets(length: int) -> None:
     ratios = {name: _fwd_bwd_ms(name, length) / flash_ms for name in TARGETS}
     print(f"L={length}:", {name: round(ratio, 2) for name, ratio in ratios.items()})
     missed = {name: round(ratio, 2) for name, ratio in ratios.items() if ratio > TARGETS[name] * MARGIN}
-    assert not missed, f"above issue 14's target × {MARGIN} at L={length}: {missed}"
+    assert not missed, f"above the target × {MARGIN} at L={length}: {missed}"
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posenc.gpucheck import parse_args, plan
+from posenc.gpucheck import gpu_tests_verdict, parse_args, plan
 
 
 def test_plan_covers_every_config_and_one_ddp_run(tmp_path: Path) -> None:
@@ -28,6 +28,13 @@ def test_plan_covers_every_config_and_one_ddp_run(tmp_path: Path) -> None:
         parse_args(["--configs", "alibi,no_such_scheme"])
 
 
+def test_gpu_tests_that_all_skipped_are_reported_as_skipped_not_passed() -> None:
+    assert gpu_tests_verdict(True, "23 skipped in 1.20s") == "skipped"
+    assert gpu_tests_verdict(True, "21 passed, 2 skipped in 80.1s") == "passed"
+    assert gpu_tests_verdict(False, "1 failed, 22 passed in 90.0s") == "FAILED"
+    assert gpu_tests_verdict(True, "not run (--no-tests)") == "not run"
+
+
 @pytest.mark.slow
 def test_cpu_check_prints_the_table_and_fails_on_a_failed_config(tmp_path: Path) -> None:
     # nope is forced through attention=flex, which cannot train on CPU: its row fails, alibi's passes.
@@ -44,5 +51,5 @@ def test_cpu_check_prints_the_table_and_fails_on_a_failed_config(tmp_path: Path)
     assert float(ppl_1) > 1 and float(ppl_2) > 1
     trained, evaluated, *_, error = (cell.strip() for cell in rows["nope"])
     assert (trained, evaluated) == ("NO", "NO") and "trains only on a CUDA GPU" in error
-    assert "GPU tests: passed" in done.stdout and "FAILED: nope" in done.stdout
+    assert "GPU tests: skipped: " in done.stdout and "FAILED: nope" in done.stdout  # no CUDA: skipped, not passed
     assert (tmp_path / "alibi" / "train.log").exists()

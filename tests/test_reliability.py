@@ -88,12 +88,12 @@ def test_report_pools_only_runs_that_differ_in_their_seed(tmp_path: Path) -> Non
     (tmp_path / "factor" / "eval" / "results.json").write_text(json.dumps(recorded))
     markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=False)
     header = _header(markdown)
-    assert "| alibi (n=2) |" not in header  # the four configurations are never one column
+    assert "| alibi (n=2 ·" not in header  # the four configurations are never one column
     columns = [cell.strip() for cell in header.strip("|").split("|")[2:]]
     assert len(columns) == 5, columns
     assert any("rope_scaling_factor=8" in c for c in columns), columns
-    assert any("max_steps=40" in c and "(n=2)" in c for c in columns), columns
-    assert any("max_steps=30" in c and "(n=1)" in c for c in columns), columns
+    assert any("max_steps=40" in c and "(n=2 ·" in c for c in columns), columns
+    assert any("max_steps=30" in c and "(n=1 ·" in c for c in columns), columns
     assert any("data=text" in c for c in columns), columns
     assert any("rope_scaling=yarn" in c for c in columns), columns
     assert "differ only in their seed" in markdown
@@ -107,7 +107,7 @@ def test_report_reads_an_older_runs_config_and_fills_its_defaults(tmp_path: Path
     _result(tmp_path / "old", None, 10.0)
     (tmp_path / "old" / DONE_FILE).write_text(json.dumps({"config": older}))
     markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=False)
-    assert "| length | ×L | alibi (n=2) |" in markdown
+    assert "| length | ×L | alibi (n=2 · ? steps · ? tokens) |" in markdown
 
 
 def test_report_lists_failed_runs_apart_and_never_counts_them(tmp_path: Path) -> None:
@@ -123,7 +123,7 @@ def test_report_lists_failed_runs_apart_and_never_counts_them(tmp_path: Path) ->
         row["ppl"] = None
     (nan_run / "eval" / "results.json").write_text(json.dumps(results))
     markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=False)
-    assert "| length | ×L | alibi (n=2) |" in markdown
+    assert "| length | ×L | alibi (n=2 · ? steps · ? tokens) |" in markdown
     assert "## Failed runs (2, not counted in any column)" in markdown
     assert "- alibi-L64-s2: the training loss became nan at step 3" in markdown
 
@@ -247,13 +247,18 @@ def test_learned_reevaluated_from_its_own_directory_replaces_eval_and_run_json(t
     assert "Perplexity of learned trained at L=16" in (run_dir / "train.log").read_text()
     assert "ppl@1x" in json.loads((run_dir / "run.json").read_text())["eval"]
     assert (run_dir / "eval" / "ppl_vs_length.png").exists()
-    again = _cli("posenc.evaluate", str(run_dir), "eval.multiples=[1]", "eval.plots=false", cwd=tmp_path)
+    same = ["eval.max_tokens=256", "eval.multiples=[1,2,4]"]  # the settings of the end-of-training evaluation
+    again = _cli("posenc.evaluate", str(run_dir), *same, "eval.plots=false", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     written = {p.name for p in (run_dir / "eval").iterdir()}
     assert "results.json" in written and not any(name.endswith(".png") for name in written)  # old plots gone
-    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    summary = json.loads((run_dir / "run.json").read_text())["eval"]
+    assert summary == json.loads((run_dir / "eval" / "results.json").read_text())["summary"]
+    other = _cli("posenc.evaluate", str(run_dir), "eval.max_tokens=256", "eval.multiples=[1]", cwd=tmp_path)
+    assert other.returncode == 0, other.stderr[-2000:]
+    results = json.loads((run_dir / "eval_multiples1" / "results.json").read_text())  # other settings: beside
     assert [row["length"] for row in results["perplexity"]] == [16]
-    assert set(json.loads((run_dir / "run.json").read_text())["eval"]) == {"ppl@1x", "bpb@1x", "ppl_ratio@1x"}
+    assert json.loads((run_dir / "run.json").read_text())["eval"] == summary  # run.json follows eval/ only
 
 
 def test_sweep_configs_are_found_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -221,6 +221,18 @@ def test_submitit_slurm_config_builds_the_expected_sbatch(tmp_path: Path, monkey
     assert str(tmp_path / "sweeps" / "multirun" / ".submitit") in str(executor._executor.folder)
 
 
+def test_slurm_launcher_without_srun_is_refused_in_one_line_before_anything_is_written(tmp_path: Path) -> None:
+    python_only = tmp_path / "bin"  # a PATH that has python but no srun
+    python_only.mkdir()
+    (python_only / "python").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": str(python_only), "PYTHONPATH": str(CONF_DIR.parent), "WANDB_MODE": "disabled"}
+    command = [sys.executable, "-m", "posenc.train", "-m", "+encoding=alibi", "launcher=submitit_slurm"]
+    done = subprocess.run([*command, f"output_root={tmp_path / 'out'}"], capture_output=True, text=True, env=env)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "no `srun` on this machine" in done.stderr
+    assert not (tmp_path / "out").exists()  # no sweep.json, no multirun.yaml
+
+
 def test_sweep_jobs_log_into_the_sweep_group_under_a_stable_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_MODE")
     cfg = {"kind": "wandb", "mode": "offline", "group": "smoke-2026", "id": wandb_run_id("smoke-2026", "alibi-L32-s0")}

@@ -298,7 +298,7 @@ def test_evaluate_cli_with_rope_scaling(tmp_path: Path) -> None:
     args = [str(run_dir), "eval.multiples=[1,2]", "eval.max_tokens=256", "eval.plots=false"]
     result = _evaluate(*args, "eval.rope_scaling=ntk", "eval.rope_scaling_factor=2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    saved = json.loads((run_dir / "eval_ntkx2" / "results.json").read_text())
+    saved = json.loads((run_dir / "eval_ntkx2_multiples1-2" / "results.json").read_text())
     assert saved["label"] == "rope · ntk×2" and saved["eval"]["rope_scaling"] == "ntk"
     assert not (run_dir / "eval").exists()
     half = _evaluate(*args, "eval.rope_scaling=yarn", cwd=tmp_path)

@@ -100,7 +100,7 @@ def compiled_flex_attention():  # noqa: ANN201 - returns torch.compile's wrapper
     """flex_attention compiled once per process (compiling per call would dominate the runtime), static shapes.
 
     ``dynamic=False``: every (batch, length) gets its own kernel. Automatic dynamic shapes (a symbolic length after
-    the first new one) crashed on an H100 with torch 2.11 (issue 13: a garbage shape from aot_autograd's
+    the first new one) crashed on an H100 with torch 2.11 (a garbage shape from aot_autograd's
     ``gen_alias_from_base``, as in pytorch/pytorch#185630), and static kernels are what ran there without a crash.
     Outside a compiled model (evaluation, the benchmark) this costs one compilation per evaluation shape and
     score_mod, a few seconds each; inside a compiled block the call is traced into the block's own graph.

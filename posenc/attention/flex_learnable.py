@@ -2,14 +2,14 @@
 
 FlexAttention differentiates a score_mod that reads a trainable tensor by adding into it atomically once per
 score, which on an H100 made KERPLE's backward 500–1250× slower than flash attention and T5's table fail to
-compile (``../shared/notes/learnable-bias-gradient.md``). This backend splits the gradient instead:
+compile (``docs/learnable-bias-gradient.md``). This backend splits the gradient instead:
 
 - q, k, v: the ordinary attention backward with the bias treated as a constant (``score_mod(detached=True)``):
   FlexAttention's own backward on CUDA, no atomics since nothing it reads requires grad. On CPU, where
   FlexAttention has no backward, SDPA with the same constant bias as a chunked mask.
-- the bias parameters: from the forms the scheme declares (``bias_gradient_forms``), by the note's identities
-  (``bias_grad.py``): one extra flex forward per ``DerivativeForm`` (KERPLE: two, for all heads at once) and one
-  O(L · horizon) band pass for all ``TableForm``s (T5). Both use only q, k, v, O, lse and dO.
+- the bias parameters: from the forms the scheme declares (``bias_gradient_forms``), by that
+  document's identities (``bias_grad.py``): one extra flex forward per ``DerivativeForm`` (KERPLE: two, for all
+  heads at once) and one O(L · horizon) band pass for all ``TableForm``s (T5). Both use only q, k, v, O, lse and dO.
 
 The split is an identity-valued autograd node on the attention output: its forward returns a copy of O, its
 backward passes dO through to the attention (for q, k, v) and returns the parameters' gradients. The backend asks
@@ -122,7 +122,7 @@ class _AttachBiasGradient(torch.autograd.Function):
         ctx.plan = plan
         # A copy, not ``out`` or a view of it: an autograd.Function output that aliases an input is replayed as a
         # view by aot_autograd under torch.compile (its ViewMeta regenerated at run time, with symbolic sizes
-        # under dynamic shapes: one path to issue 13's garbage-shape crash). One copy of (B, H, L, D) is
+        # under dynamic shapes: one path to the garbage-shape crash seen on an H100). One copy of (B, H, L, D) is
         # negligible next to the attention.
         return out.clone()
 

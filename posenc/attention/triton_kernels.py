@@ -8,7 +8,7 @@ one for dq (a program per query block). The dq kernel also reduces the table's g
 dtable[h, d] = Σ_{b, i−j=d} dS_ij: each tile's dS is skewed so that its diagonals become columns
 (``tl.gather``), summed over rows, and added with one atomic per (tile, distance) — not one per score, which is
 what made FlexAttention's backward of a learnable bias hundreds of times slower than the forward
-(``../shared/notes/learnable-bias-gradient.md``).
+(``docs/learnable-bias-gradient.md``).
 
 Which mode the kernels run in is fixed when this module is imported: compiled for the GPU, or Python under
 Triton's interpreter when ``TRITON_INTERPRET=1`` is set (how the tests run them on CPU). The backend imports it

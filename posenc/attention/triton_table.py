@@ -5,7 +5,7 @@ it as an (H, L) table through ``distance_bias``; the kernels (``triton_kernels.p
 score inside a FlashAttention-2 forward and backward, and the backward also returns the table's gradient, reduced
 per tile along its diagonals with one atomic add per (tile, distance). The scheme's parameters then get their
 gradients from autograd through ``distance_bias``, exactly: one fused reduction replaces both identities of
-``../shared/notes/learnable-bias-gradient.md``, and no scheme is named here. A scheme without a bias runs with
+``docs/learnable-bias-gradient.md``, and no scheme is named here. A scheme without a bias runs with
 no table.
 
 Opt-in only (``attention=triton``): the kernels are tested on CPU through Triton's interpreter, against

@@ -25,7 +25,7 @@ the O(L²) matrix.
 Schemes with a *learnable* bias may also say how its parameters can be differentiated without a per-score
 gradient (``bias_gradient_forms``): FlexAttention differentiates a score_mod that reads a trainable tensor with
 one atomic add per score, which makes its backward hundreds of times slower than the forward
-(``../shared/notes/learnable-bias-gradient.md``). Two exact forms avoid that, one per identity of the note:
+(``docs/learnable-bias-gradient.md``). Two exact forms avoid that, one per identity of that document:
 
 - ``DerivativeForm`` (Identity 1): ∂b_h(i, j)/∂θ_h = scale_h · f_h(i, j) with f ≥ 0, so the gradient of θ is one
   extra attention forward with the scores shifted by log f. For smooth parametric biases (KERPLE).
@@ -49,7 +49,7 @@ ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 @dataclass(frozen=True)
 class DerivativeForm:
-    """∂b_h(i, j)/∂parameter[h] = scale[h] · f_h(i, j) with f ≥ 0 everywhere (the note's Identity 1).
+    """∂b_h(i, j)/∂parameter[h] = scale[h] · f_h(i, j) with f ≥ 0 everywhere (Identity 1).
 
     ``log_factor`` is a score_mod that adds log f to the score (−∞ where f = 0), evaluated at absolute positions
     like ``score_mod``, in fp32, reading only detached tensors. ``parameter`` is per head (H,); ``scale`` (H,) is
@@ -63,7 +63,7 @@ class DerivativeForm:
 
 @dataclass(frozen=True)
 class TableForm:
-    """b_h(d) = table[h, index[min(d, horizon)]] for causal distances d ≥ 0 (the note's Identity 2).
+    """b_h(d) = table[h, index[min(d, horizon)]] for causal distances d ≥ 0 (Identity 2).
 
     ``index`` (horizon + 1,) int64 names the table entry of distances ``0 .. horizon``; every distance from
     ``horizon`` on uses ``index[horizon]``. Only the scheme's own part of the bias is described: in a stack,

@@ -67,8 +67,9 @@ class _Kerple(PositionalEncoding):
         raise NotImplementedError
 
     def bias_gradient_forms(self) -> list[DerivativeForm]:
-        # Both derivatives are -(a per-head scale) · (a non-negative function of d): the note's Identity 1 with
-        # scales -1 (r1) and -r1 (r2). The factors read r2 detached: forms are evaluated as constants.
+        # Both derivatives are -(a per-head scale) · (a non-negative function of d): Identity 1
+        # (docs/learnable-bias-gradient.md) with scales -1 (r1) and -r1 (r2). The factors read r2 detached: forms are
+        # evaluated as constants.
         r2, log_derivatives = self.r2.detach(), self.log_derivatives
 
         def log_factor(which: int) -> ScoreMod:

@@ -58,7 +58,7 @@ RotationFn = TypeVar("RotationFn", bound=Callable[..., Tensor])
 def fused_on_gpu(fn: RotationFn) -> RotationFn:
     """Run ``fn(x, ...)`` as one compiled kernel when ``x`` is on CUDA, eagerly elsewhere.
 
-    Eagerly, a rotation is a chain of ~10 elementwise ops, each a full pass over q or k in fp32 (the anchor
+    Eagerly, a rotation is a chain of ~10 elementwise ops, each a full pass over q or k in fp32 (the H100
     benchmark measured RoPE + SDPA at 2.2–3.2× SDPA alone); compiled, it is one pass. Compiled once per process
     with dynamic shapes, so evaluating at new lengths does not recompile; never on CPU, where tests would pay
     the compile time. Inside an already compiled model the plain function is traced into the model's graph.

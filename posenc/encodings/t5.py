@@ -73,7 +73,8 @@ class T5Bias(PositionalEncoding):
         return t5
 
     def bias_gradient_forms(self) -> list[TableForm]:
-        # The note's Identity 2: only distances below the horizon need dS; the last bucket gets minus their sum.
+        # Identity 2 (docs/learnable-bias-gradient.md): only distances below the horizon need dS; the last bucket
+        # gets minus their sum.
         return [TableForm(self.table, self.horizon_buckets)]
 
     def extra_repr(self) -> str:

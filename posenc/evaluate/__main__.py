@@ -3,6 +3,11 @@
 Rebuilds the model exactly as it was trained (scheme, sizes and data from the checkpoint's saved config),
 refuses a checkpoint that does not match the run's config, and writes the full extrapolation evaluation:
 perplexity by length, loss by position, synthetic-task accuracy, as JSON, CSV and PNG (see ``runner.py``).
+
+Results go to ``<run>/eval`` when the settings are those the run evaluated with at the end of training, and
+beside it otherwise (``eval_sliding_s32``, ``eval_yarnx8``, ``eval_max_tokens16384``): an evaluation with other
+settings never replaces an earlier one. ``results.json`` records what the weights were trained for
+(``training``: steps, tokens, checkpoint step, finished); an unfinished run is evaluated with a warning.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from posenc.runs import (
     build_datamodule,
     check_consistency,
     check_data,
+    checkpoint_training,
     eval_problems,
+    experiment_settings,
     load_module,
     resolve_checkpoint,
     run_info,
@@ -40,7 +47,7 @@ def _main(cfg: DictConfig) -> None:
     from posenc.evaluate.runner import evaluate_model, print_results, replace_outputs, scaling_tag
 
     try:
-        scaling = scaling_tag(eval_cfg)
+        scaling_tag(eval_cfg)  # half a scaling setting is refused before the model loads
     except ValueError as err:
         raise RunError(str(err)) from None
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
@@ -50,44 +57,95 @@ def _main(cfg: DictConfig) -> None:
     datamodule = build_datamodule(config, num_samples=1)
     data_info = check_data(datamodule)
     stream = None if task else datamodule.stream(eval_cfg["split"])
-    info = run_info(config, module.model.label, data_info)
+    training = checkpoint_training(checkpoint, config)
+    if not training["finished"]:
+        print(
+            f"warning: {run_dir} is unfinished (its checkpoint is at step {training['steps']} of "
+            f"trainer.max_steps={training['max_steps']}): results.json says so, and posenc.report leaves it out "
+            "unless --include-unfinished",
+            file=sys.stderr,
+        )
+    info = {**run_info(config, module.model.label, data_info), "training": training}
     try:
         results = evaluate_model(module.model, run_info=info, eval_cfg=eval_cfg, stream=stream, task=task)
     except ValueError as err:  # a setting the model cannot honour (e.g. RoPE scaling of a model without RoPE)
         raise RunError(str(err)) from None
-    if cfg.out_dir:
-        out_dir = Path(cfg.out_dir)
-    else:
-        name = f"eval_sliding_s{eval_cfg['stride']}" if eval_cfg["mode"] == "sliding" else "eval"
-        if scaling is not None:  # its own directory: a scaled evaluation never overwrites the plain one
-            name += f"_{eval_cfg['rope_scaling']}x{float(eval_cfg['rope_scaling_factor']):g}"
-        out_dir = run_dir / name
+    trained_eval = config.get("eval") or {}
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else run_dir / eval_dir_name(eval_cfg, trained_eval, task)
     images = replace_outputs(results, out_dir, plots=eval_cfg["plots"])
     if out_dir.resolve() == (run_dir / "eval").resolve():
         update_run_summary(run_dir, results["summary"])
     print_results(results)
     print(f"\nwrote {out_dir}/results.json and {len(images)} plot(s)")
-    if cfg.wandb:
-        _log_to_wandb(results, run_dir, images, config)
+    logged_to_wandb = config["logger"].get("kind") == "wandb"
+    if cfg.wandb is True or (cfg.wandb == "auto" and logged_to_wandb):
+        _log_to_wandb(results, run_dir, images, config, namespace=out_dir.name)
 
 
-def _log_to_wandb(results: dict[str, Any], run_dir: Path, images: list[Path], config: dict[str, Any]) -> None:
+# Evaluation settings that change neither what is scored nor how (so they never name a directory).
+EVAL_RUNTIME = ("at_end", "plots", "tokens_per_batch")
+
+
+def eval_dir_name(eval_cfg: dict[str, Any], trained_eval: dict[str, Any], task: str | None = None) -> str:
+    """``eval`` for the settings the run evaluated with at the end of training; otherwise a name for the change.
+
+    Sliding windows and RoPE scaling name themselves (``eval_sliding_s32``, ``eval_yarnx8``); any other setting
+    that differs from the end-of-training evaluation is appended as ``key`` + value (``eval_max_tokens16384``), so
+    an evaluation with other settings never replaces an earlier one, and the same command lands in the same place.
+    A task's settings count only when that task is scored (``enabled: auto`` scores the task a model trained on).
+    """
+    from posenc.evaluate.runner import TASK_NAMES
+
+    enabled = {name: (eval_cfg.get(name) or {}).get("enabled", "auto") for name in TASK_NAMES}
+    idle = [name for name, on in enabled.items() if not (on is True or (on == "auto" and task == name))]
+    if not eval_cfg.get("attention_stats"):
+        idle.append("attention_stats_tokens")
+    name = f"eval_sliding_s{eval_cfg['stride']}" if eval_cfg["mode"] == "sliding" else "eval"
+    if eval_cfg.get("rope_scaling") is not None:  # its own directory: a scaled evaluation never overwrites the plain
+        name += f"_{eval_cfg['rope_scaling']}x{float(eval_cfg['rope_scaling_factor']):g}"
+    asked, trained = experiment_settings(eval_cfg), experiment_settings(trained_eval)
+    named = ("mode", "stride", "rope_scaling", "rope_scaling_factor", *EVAL_RUNTIME, *idle)
+    for key, value in asked.items():
+        if key.split(".")[0] in named or trained.get(key) == value:
+            continue
+        shown = (
+            "-".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) if isinstance(value, list) else value
+        )
+        name += "_" + key.replace(".", "-") + "".join(c for c in str(shown) if c.isalnum() or c in ".-")
+    return name
+
+
+def _log_to_wandb(
+    results: dict[str, Any], run_dir: Path, images: list[Path], config: dict[str, Any], namespace: str
+) -> None:
+    """Resume the run's own W&B run (its id from the saved config or ``wandb_id``) and log under ``namespace``."""
     from lightning.pytorch.loggers import WandbLogger
 
-    from posenc.evaluate.runner import log_results
+    from posenc.evaluate.wandb_tables import log_results
     from posenc.loggers import resolve_wandb_mode
+    from posenc.runs import WANDB_ID_FILE
 
-    previous = sorted((run_dir / "wandb").glob("*run-*"))
-    run_id = previous[-1].name.rsplit("-", 1)[-1] if previous else None
+    logger_cfg = config["logger"]
+    mode = resolve_wandb_mode(logger_cfg.get("mode", "auto"))
+    if mode == "disabled":
+        return
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = logger_cfg.get("id") or (id_file.read_text().strip() if id_file.is_file() else None)
     logger = WandbLogger(
-        project=config["logger"].get("project", "posenc"),
+        project=logger_cfg.get("project", "posenc"),
+        entity=logger_cfg.get("entity"),
+        group=logger_cfg.get("group"),
         id=run_id,
         resume="allow",
         save_dir=str(run_dir),
-        mode=resolve_wandb_mode(config["logger"].get("mode", "auto")),
+        mode=mode,
     )
-    log_results(results, [logger], images, step=0)
+    log_results(results, [logger], images, step=None, namespace=namespace)
     logger.finalize("success")
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish()
 
 
 def main() -> None:

@@ -32,35 +32,90 @@ def plot_lines(
     train_len: int | None = None,
     logx: bool = True,
     logy: bool = False,
+    include: Sequence[float] = (),
+    min_span: float | None = None,
+    ylim: tuple[float, float] | None = None,
+    references: Mapping[str, float] | None = None,
 ) -> Path:
-    """One line (with an optional ± band) per series name: {name: (x, y, std or None)}."""
+    """One line (with an optional ± band) per series name: {name: (x, y, std or None)}; see ``line_figure``."""
+    fig, _ = line_figure(series, title, xlabel, ylabel, train_len, logx, logy, include, min_span, ylim, references)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def line_figure(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    train_len: int | None = None,
+    logx: bool = True,
+    logy: bool = False,
+    include: Sequence[float] = (),
+    min_span: float | None = None,
+    ylim: tuple[float, float] | None = None,
+    references: Mapping[str, float] | None = None,
+) -> tuple[plt.Figure, plt.Axes]:
+    """The figure of ``plot_lines``, with a y axis that cannot exaggerate.
+
+    ``include`` keeps values in view (1.0 on a ratio axis: no degradation), ``min_span`` is the least the axis
+    spans (a factor on a log axis, a difference on a linear one), so that a change of 0.02 never fills the plot,
+    and ``ylim`` fixes the axis (accuracy: 0 to 1). ``references`` are labelled horizontal lines (a chance level).
+    Narrow log axes get plain, distinct tick labels.
+    """
     fig, ax = plt.subplots(figsize=(8, 5))
     # Past 10 series matplotlib's default cycle repeats colours: draw from tab20 and vary the dash as well.
     colours = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
+    shown: list[float] = list(include)
     for index, (name, (x, y, std)) in enumerate(series.items()):
-        x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+        x, y = np.asarray(x, dtype=float), np.asarray([np.nan if v is None else v for v in y], dtype=float)
         style = {"color": colours[index % len(colours)], "linestyle": ("-", "--", ":")[index // len(colours) % 3]}
         ax.plot(x, y, marker="o" if len(x) < 20 else None, markersize=3, label=name, **style)
+        shown += list(y)
         if std is not None:
             std = np.asarray(std, dtype=float)
             ax.fill_between(x, y - std, y + std, alpha=0.2, color=style["color"])
+            shown += list(y - std) + list(y + std)
+    for name, level in (references or {}).items():
+        ax.axhline(level, color="black", linestyle=":", linewidth=1, label=f"{name} {level:.2g}")
+        shown.append(level)
     if train_len is not None:
         ax.axvline(train_len, color="grey", linestyle="--", linewidth=1, label=f"training length {train_len}")
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 3, not 3×10^0
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
+    finite = [v for v in shown if np.isfinite(v) and (v > 0 or not logy)]
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    elif finite:
+        ax.set_ylim(*_limits(min(finite), max(finite), logy, min_span))
+    if logy:
+        low, high = ax.get_ylim()
+        if high / low < 20:  # a log axis without a full decade: plain ticks, each label distinct
+            ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter(useOffset=False))  # 3, not 3×10^0
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig, ax
+
+
+def _limits(low: float, high: float, log: bool, min_span: float | None) -> tuple[float, float]:
+    """Data limits widened to ``min_span`` around their middle, plus a 5% margin."""
+    if log:
+        low_log, high_log = _limits(np.log(low), np.log(high), False, np.log(min_span) if min_span else None)
+        return float(np.exp(low_log)), float(np.exp(high_log))
+    if min_span and high - low < min_span:
+        middle = (low + high) / 2
+        low, high = middle - min_span / 2, middle + min_span / 2
+    margin = 0.05 * (high - low) or 0.05 * abs(high) or 0.05
+    return low - margin, high + margin
 
 
 def plot_heatmap(

@@ -17,19 +17,20 @@ from typing import Any
 import lightning as L
 import numpy as np
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from torch import nn
 
 from posenc.compiling import eager_blocks
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.encodings.base import PositionalEncoding
-from posenc.evaluate import RESULTS_FILE
+from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RESULTS_FILE
 from posenc.evaluate.attention_stats import attention_plots, attention_stats_by_length, attention_summary, stats_windows
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.retrieval import evaluate_retrieval_tasks
-from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
+from posenc.evaluate.tasks import CHANCE_PER_BYTE, evaluate_copy, evaluate_passkey
+from posenc.evaluate.wandb_tables import log_results
 from posenc.jsonio import dumps
+from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
 
 TASK_NAMES = ("passkey", "copy", *RETRIEVAL_TASKS)
 
@@ -101,6 +102,7 @@ def _evaluate(
     train_len = int(run_info["train_len"])
     lengths = [int(m * train_len) for m in eval_cfg["multiples"]]
     results: dict[str, Any] = {**run_info, "eval": {k: v for k, v in eval_cfg.items() if k != "plots"}}
+    results["trained_task"] = task  # a task scored on a model trained on something else measures its format
     batch_tokens = eval_cfg.get("tokens_per_batch", 16384)
     if stream is not None:
         available = [length for length in lengths if length < len(stream)]
@@ -162,11 +164,13 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
                 out[f"ppl_ratio@{tag}"] = row["ratio"]
     train_len = results["train_len"]
     for name in TASK_NAMES:
-        by_length: dict[int, list[float]] = {}
-        for row in results.get(name, []):
-            by_length.setdefault(row["length"], []).append(row["accuracy"])
-        for length, accs in by_length.items():
-            out[f"{name}_acc@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
+        for field, key in (("accuracy", "acc"), ("token_accuracy", "byte_acc")):
+            by_length: dict[int, list[float]] = {}
+            for row in results.get(name, []):
+                if field in row:
+                    by_length.setdefault(row["length"], []).append(row[field])
+            for length, accs in by_length.items():
+                out[f"{name}_{key}@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
     for (stat, length), value in attention_summary(results.get("attention_stats") or []).items():
         out[f"attn_{stat}@{_multiple_tag(length / train_len)}"] = value
     return out
@@ -204,10 +208,9 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     images: list[Path] = []
     if "perplexity" in results:
         _write_csv(out_dir / "perplexity.csv", results["perplexity"], exclude={"loss_by_position"})
-        longest = max(results["loss_by_position"], key=int, default=None)
-        if longest is not None:
-            curve = results["loss_by_position"][longest]
-            _write_csv(out_dir / "loss_by_position.csv", [{"position": i, "loss": v} for i, v in enumerate(curve)])
+        by_length = sorted(results["loss_by_position"].items(), key=lambda item: int(item[0]))
+        rows = [{"length": int(n), "position": i, "loss": v} for n, curve in by_length for i, v in enumerate(curve)]
+        _write_csv(out_dir / "loss_by_position.csv", rows)
         if plots:
             ok = [r for r in results["perplexity"] if r["error"] is None]
             images.append(
@@ -218,18 +221,20 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
                     "evaluation length (tokens)",
                     "perplexity",
                     train_len=train_len,
+                    logy=True,
+                    min_span=PPL_MIN_SPAN,
                 )
             )
-            if longest is not None:
-                x, y = smooth(results["loss_by_position"][longest])
+            if by_length:
                 images.append(
                     plot_lines(
-                        {label: (x, y, None)},
+                        {f"windows of {n}": (*smooth(curve), None) for n, curve in by_length},
                         out_dir / "loss_by_position.png",
-                        f"{label}: loss by position (windows of {longest})",
+                        f"{label}: loss by position, per evaluation length",
                         "position in window",
                         "loss (nats)",
                         train_len=train_len,
+                        min_span=LOSS_MIN_SPAN,
                     )
                 )
     if "passkey" in results:
@@ -251,14 +256,21 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
         _write_csv(out_dir / f"{name}.csv", results[name])
         if plots:
             rows = results[name]
+            lengths = [r["length"] for r in rows]
             images.append(
                 plot_lines(
-                    {label: ([r["length"] for r in rows], [r["accuracy"] for r in rows], None)},
+                    {
+                        f"{label}, exact match": (lengths, [r["accuracy"] for r in rows], None),
+                        f"{label}, per byte": (lengths, [r.get("token_accuracy") for r in rows], None),
+                    },
                     out_dir / f"{name}.png",
-                    f"{label}: {name} accuracy",
+                    f"{label}: {name} accuracy"
+                    + ("" if results.get("trained_task") == name else " (not trained on it)"),
                     "length",
-                    "exact-match accuracy",
+                    "accuracy",
                     train_len=train_len,
+                    ylim=ACCURACY_LIMITS,
+                    references={"per-byte chance": CHANCE_PER_BYTE[name]},
                 )
             )
     if "attention_stats" in results:
@@ -286,6 +298,13 @@ def print_results(results: dict[str, Any]) -> None:
         mode = rows[0]["mode"] + (f", stride {rows[0]['stride']}" if rows[0]["stride"] else "")
         scored = rows[0]["tokens"]
         print(f"\nPerplexity of {label} trained at L={train_len} ({mode}; {scored} tokens scored at each length):")
+        data = (results.get("config") or {}).get("data") or {}
+        if data.get("val_windows"):  # two perplexities at 1×: say why they differ
+            print(
+                f"  (1× here scores the first {scored} tokens of the {results['eval'].get('split', 'validation')} "
+                f"split; training's val/ppl scored its first {data['val_windows'] * train_len}, so the two "
+                "differ by sample, not by method)"
+            )
         print(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
         for r in rows:
             if r["error"]:
@@ -296,8 +315,12 @@ def print_results(results: dict[str, Any]) -> None:
                 print(f"  {r['length']:>7} {r['multiple']:>5g} {figures}")
     for name in TASK_NAMES:
         if name in results:
-            accs = {k: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
-            print(f"{name} accuracy by length: " + ", ".join(f"{k.split('@')[1]} {v:.2f}" for k, v in accs.items()))
+            exact = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
+            byte = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_byte_acc@")}
+            shown = ", ".join(f"{m} {v:.2f} ({byte.get(m, float('nan')):.2f} per byte)" for m, v in exact.items())
+            print(f"{name} accuracy by length: {shown}; per-byte chance {CHANCE_PER_BYTE[name]:.2f}")
+            if results.get("trained_task") != name:
+                print(f"  ({label} was not trained on {name}'s format: these figures measure the format, not recall)")
     for stat in ("sink", "distance"):
         values = {k: v for k, v in results["summary"].items() if k.startswith(f"attn_{stat}@")}
         if values:
@@ -305,46 +328,6 @@ def print_results(results: dict[str, Any]) -> None:
                 f"attention {stat} (mean over layers and heads) by length: "
                 + ", ".join(f"{k.split('@')[1]} {v:.3g}" for k, v in values.items())
             )
-
-
-def log_results(results: dict[str, Any], loggers: list[Logger], images: list[Path], step: int) -> None:
-    """Summary metrics to every logger; tables, line plots and images to W&B."""
-    for logger in loggers:
-        logger.log_metrics({f"eval/{k}": v for k, v in results["summary"].items()}, step=step)
-        if type(logger).__name__ != "WandbLogger":
-            continue
-        import wandb
-
-        run = logger.experiment
-        run.summary.update(results["summary"])
-        if "perplexity" in results:
-            columns = ["label", "length", "multiple", "loss", "ppl", "bpb", "ratio", "tokens"]
-            table = wandb.Table(
-                columns=columns,
-                data=[
-                    [results["label"], *(r[c] for c in columns[1:])] for r in results["perplexity"] if not r["error"]
-                ],
-            )
-            run.log(
-                {
-                    "eval/perplexity_table": table,
-                    "eval/ppl_vs_length": wandb.plot.line(table, "length", "ppl", title="perplexity vs length"),
-                }
-            )
-            longest = max(results["loss_by_position"], key=int, default=None)
-            if longest is not None:
-                x, y = smooth(results["loss_by_position"][longest])
-                curve = wandb.Table(
-                    columns=["position", "loss"], data=[[float(a), float(b)] for a, b in zip(x, y, strict=True)]
-                )
-                run.log({"eval/loss_by_position": wandb.plot.line(curve, "position", "loss", title="loss by position")})
-        for name in (*TASK_NAMES, "attention_stats"):
-            if name in results:
-                rows = results[name]
-                run.log(
-                    {f"eval/{name}_table": wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}
-                )
-        run.log({f"eval/{image.stem}": wandb.Image(str(image)) for image in images})
 
 
 class ExtrapolationEval(Callback):
@@ -373,8 +356,17 @@ class ExtrapolationEval(Callback):
         # Lightning's teardown has moved the module back to CPU by now: evaluate on the training device.
         pl_module.model.to(trainer.strategy.root_device)
         stream = self.stream_fn() if self.stream_fn is not None else None
+        step, train_len = trainer.global_step, int(self.run_info["train_len"])
+        tokens_per_step = global_batch(trainer.datamodule.batch_size, trainer, train_len)["tokens_per_step"]
+        checkpoint = self.out_dir.parent / CHECKPOINT  # saved by now: Lightning's checkpointing ends with training
+        saved_step = read_checkpoint(checkpoint)[0] if checkpoint.is_file() else None
+        training = training_record(step, int(trainer.max_steps), tokens_per_step, saved_step)
         self.results = evaluate_model(
-            pl_module.model, run_info=self.run_info, eval_cfg=self.eval_cfg, stream=stream, task=self.task
+            pl_module.model,
+            run_info={**self.run_info, "training": training},
+            eval_cfg=self.eval_cfg,
+            stream=stream,
+            task=self.task,
         )
         images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
         print_results(self.results)

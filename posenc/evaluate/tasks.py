@@ -12,9 +12,30 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from posenc.data.tasks import IGNORE, Sample, TaskDataset, copy_sample, passkey_depth, passkey_sample
+from posenc.data.retrieval import CAPITALS
+from posenc.data.tasks import (
+    COPY_ALPHABET,
+    DIGITS,
+    IGNORE,
+    Sample,
+    TaskDataset,
+    copy_sample,
+    passkey_depth,
+    passkey_sample,
+)
+
+# Per-byte accuracy of guessing each answer byte uniformly from the alphabet it is drawn from: the floor a table of
+# per-byte accuracies is read against (the chance of an exact match is this to the power of the answer's length).
+CHANCE_PER_BYTE = {
+    "passkey": 1 / len(DIGITS),
+    "copy": 1 / len(COPY_ALPHABET),
+    "multikey": 1 / len(DIGITS),
+    "vartrack": 1 / len(CAPITALS),
+    "assoc": 1 / len(DIGITS),
+}
 
 __all__ = [
+    "CHANCE_PER_BYTE",
     "IGNORE",
     "TaskDataset",
     "copy_sample",
@@ -46,15 +67,24 @@ def evaluate_passkey(
     tokens_per_batch: int = 16384,
     device: torch.device | str | None = None,
 ) -> list[dict]:
-    """Passkey exact-match accuracy for every (length, depth), ``samples`` keys each (same keys per length)."""
+    """Passkey exact-match and per-byte accuracy for every (length, depth), ``samples`` keys each."""
     device = device or next(model.parameters()).device
     rows = []
     for length in lengths:
         for depth in depths:
             rng = np.random.default_rng([seed, length, int(depth * 1000)])
             batch = [passkey_sample(length, depth, rng) for _ in range(samples)]
-            exact = _score_in_batches(model, batch, length, tokens_per_batch, device)[0]
-            rows.append({"task": "passkey", "length": length, "depth": depth, "samples": samples, "accuracy": exact})
+            exact, token = _score_in_batches(model, batch, length, tokens_per_batch, device)
+            rows.append(
+                {
+                    "task": "passkey",
+                    "length": length,
+                    "depth": depth,
+                    "samples": samples,
+                    "accuracy": exact,
+                    "token_accuracy": token,
+                }
+            )
     return rows
 
 

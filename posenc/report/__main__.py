@@ -1,0 +1,45 @@
+"""``python -m posenc.report <sweep or run dirs…>`` (see ``posenc/report/__init__.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from posenc.report import __doc__ as about
+from posenc.report.build import build_report
+from posenc.report.collect import find_results, results_from_wandb
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m posenc.report", description=about.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*", help="sweep or run directories (searched for results.json), or files")
+    parser.add_argument("--out", type=Path, help="output directory (default: the first path, or ./report)")
+    parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read run summaries from W&B instead")
+    parser.add_argument("--group", help="with --wandb: only this W&B group (a sweep)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="count runs whose training stopped before trainer.max_steps (as columns of their own)",
+    )
+    args = parser.parse_args(argv)
+    if not args.paths and not args.wandb:
+        parser.error("give run/sweep directories, or --wandb ENTITY/PROJECT")
+    unreadable: list[str] = []
+    results = find_results(args.paths, unreadable)
+    if not results and unreadable:
+        raise SystemExit(f"no readable results: {unreadable[0]}. Re-run `python -m posenc.evaluate <run>` for it")
+    for problem in unreadable:
+        print(f"skipped unreadable {problem}", file=sys.stderr)
+    if args.wandb:
+        results += results_from_wandb(args.wandb, args.group)
+    first = Path(args.paths[0]) if args.paths else None
+    out_dir = args.out or (first if first is not None and first.is_dir() else Path("report"))
+    print(build_report(results, out_dir, make_plots=not args.no_plots, include_unfinished=args.include_unfinished))
+    print(f"wrote {out_dir / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

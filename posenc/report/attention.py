@@ -1,0 +1,62 @@
+"""The attention-statistics section: sink mass, mean attended distance and entropy by length, per scheme."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from posenc.evaluate.attention_stats import mean_by_length
+from posenc.identity import columns
+from posenc.report.common import Appendix, Columns, cell, order, table_head
+
+ATTENTION_STATS = {
+    "sink": "Sink mass: attention probability on the window's first token",
+    "distance": "Mean attended distance in tokens",
+    "entropy": "Attention entropy in nats",
+}
+
+
+def attention_groups(results: list[dict[str, Any]]) -> dict[tuple[int, str], Columns]:
+    """{(train_len, data): {column: runs}} for runs with attention statistics; text and each task apart.
+
+    Columns pool runs by identity (``posenc/identity.py``), as the perplexity tables do.
+    """
+    by_group: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    for run in results:
+        if run.get("attention_stats") and not run.get("failed"):
+            data = run.get("data") or {}
+            by_group[(int(run["train_len"]), str(data.get("task") or data.get("corpus") or "?"))].append(run)
+    return {group: columns(runs) for group, runs in by_group.items()}
+
+
+def attention_means(run: dict[str, Any], stat: str) -> dict[int, float]:
+    """{length: the statistic averaged over layers and heads} of one run."""
+    lengths, means = mean_by_length(run["attention_stats"], stat)
+    return dict(zip(lengths, means, strict=True))
+
+
+def attention_tables(results: list[dict[str, Any]], appendix: Appendix | None = None) -> str:
+    """Sink mass, mean attended distance and entropy by length (mean over layers and heads), one column per scheme."""
+    out = []
+    for (train_len, data), by_label in sorted(attention_groups(results).items()):
+        labels = order(by_label)
+        lengths = sorted({n for runs in by_label.values() for run in runs for n in attention_means(run, "sink")})
+        for stat, what in ATTENTION_STATS.items():
+            out += [
+                f"## Attention: {stat} by length, trained at L={train_len} on {data}",
+                "",
+                f"{what}, averaged over every layer, head and query (but each window's first), mean ± std over seeds. "
+                "Per layer × head: each run's eval/attention_stats.csv and attention_heatmaps.png.",
+                "",
+                *table_head(
+                    by_label, labels, title=f"Attention, trained at L={train_len} on {data}", appendix=appendix
+                ),
+            ]
+            for length in lengths:
+                cells = [
+                    cell([attention_means(run, stat).get(length) for run in by_label[label]], digits=3)
+                    for label in labels
+                ]
+                out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
+            out.append("")
+    return "\n".join(out)

@@ -1,0 +1,124 @@
+"""Assemble ``report.md``: failed and unfinished runs apart, every section in ``SECTIONS``, every figure in ``FIGURES``.
+
+A new section is a function ``(results, appendix) -> list[str]`` of markdown lines (empty when it has nothing to
+say), appended to ``SECTIONS``; its tables take their header from ``common.table_head`` with the ``appendix``, so
+each column shows its runs, steps and tokens and the appendix names its run directories. A new figure is
+``(results, out_dir) -> list[Path]``, appended to ``FIGURES``. Both receive only the runs that count: failed runs
+are removed first, and unfinished ones unless the report was asked to include them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from posenc.data.retrieval import RETRIEVAL_TASKS
+from posenc.report.attention import attention_tables
+from posenc.report.collect import find_results, finished
+from posenc.report.common import Appendix, run_dir
+from posenc.report.perplexity import group_runs, perplexity_tables
+from posenc.report.plots import attention_plots, perplexity_plots, task_plots
+from posenc.report.tasks import task_tables
+
+Results = list[dict[str, Any]]
+
+
+def perplexity_section(results: Results, appendix: Appendix) -> list[str]:
+    sections = []
+    for key, by_label in sorted(group_runs(results).items(), key=lambda item: str(item[0])):
+        sections += ["", perplexity_tables(key, by_label, appendix)]
+    return sections
+
+
+def _text(make: Callable[[Results, Appendix], str]) -> Callable[[Results, Appendix], list[str]]:
+    def section(results: Results, appendix: Appendix) -> list[str]:
+        text = make(results, appendix)
+        return ["", text] if text else []
+
+    return section
+
+
+SECTIONS: list[Callable[[Results, Appendix], list[str]]] = [
+    perplexity_section,
+    _text(lambda results, appendix: task_tables(results, appendix=appendix)),
+    _text(lambda results, appendix: task_tables(results, tuple(RETRIEVAL_TASKS), appendix)),
+    _text(attention_tables),
+]
+FIGURES: list[Callable[[Results, Path], list[Path]]] = [
+    lambda results, out_dir: perplexity_plots(group_runs(results), out_dir),
+    task_plots,
+    lambda results, out_dir: task_plots(results, out_dir, tuple(RETRIEVAL_TASKS)),
+    attention_plots,
+]
+
+
+def build_report(results: Results, out_dir: Path, make_plots: bool = True, include_unfinished: bool = False) -> str:
+    """Write report.md (and plots) to ``out_dir``; return the markdown.
+
+    Failed runs are listed apart and never counted. Unfinished runs (their weights stopped before
+    ``trainer.max_steps``) are listed apart too, unless ``include_unfinished``: then they are columns of their
+    own, since their steps trained are part of their identity.
+    """
+    if not results:
+        raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
+    for run in results:  # an older run that diverged without stopping: no finite perplexity at any length
+        rows = run.get("perplexity") or []
+        if rows and not run.get("failed") and all(r["ppl"] is None and r["error"] is None for r in rows):
+            run["failed"] = "no finite perplexity at any length (the run diverged)"
+            run.setdefault("run_name", run["label"])
+    failed = [r for r in results if r.get("failed")]
+    results = [r for r in results if not r.get("failed")]
+    unfinished = [r for r in results if not finished(r)]
+    if not include_unfinished:
+        results = [r for r in results if finished(r)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counted = f"{len(results)} evaluated run(s)" + (" (unfinished ones included)" if include_unfinished else "")
+    sections = ["# posenc extrapolation report", "", counted + "."]
+    if failed:
+        sections += ["", f"## Failed runs ({len(failed)}, not counted in any column)", ""]
+        sections += [
+            f"- {run['run_name']}: {run['failed']} ({Path(run.get('_source', 'W&B')).parent})" for run in failed
+        ]
+    if unfinished:
+        where = "in columns of their own" if include_unfinished else "not counted; --include-unfinished counts them"
+        sections += ["", f"## Unfinished runs ({len(unfinished)}, {where})", ""]
+        for run in unfinished:
+            training = run.get("training") or {}
+            steps = f"step {training.get('steps', '?')} of {training.get('max_steps', '?')}"
+            sections.append(f"- {run.get('run_name') or run['label']}: trained to {steps} ({run_dir(run)})")
+    appendix = Appendix()
+    for section in SECTIONS:
+        sections += section(results, appendix)
+    images = [image for figure in FIGURES for image in figure(results, out_dir)] if make_plots else []
+    if images:
+        sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
+    sections += appendix.lines()
+    markdown = "\n".join(sections).rstrip() + "\n"
+    (out_dir / "report.md").write_text(markdown)
+    return markdown
+
+
+class ReportOnSweepEnd(Callback):
+    """Hydra callback: when a multirun ends, write report.md and plots into the sweep directory.
+
+    Enable it in a sweep config with ``hydra.callbacks.report._target_: posenc.report.ReportOnSweepEnd``.
+    """
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        results = find_results([sweep_dir])
+        if not results:
+            print(f"posenc.report: no results.json under {sweep_dir}; nothing to report")
+            return
+        print(build_report(results, sweep_dir))
+        print(f"wrote {sweep_dir / 'report.md'}")
+        failed = [run["run_name"] for run in results if run.get("failed")]
+        if failed:  # the sweep ran every job, but it did not succeed: say so in the exit status
+            raise SystemExit(
+                f"{len(failed)} job(s) of this sweep failed ({', '.join(failed)}): see failed.json in their "
+                "directories; relaunching the sweep retries them"
+            )

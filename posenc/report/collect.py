@@ -1,0 +1,125 @@
+"""Where the report's results come from: ``results.json`` files under run and sweep directories, or W&B summaries."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from posenc.evaluate import RESULTS_FILE
+from posenc.runs import CHECKPOINT, DONE_FILE, FAILED_FILE, RUN_FILE
+
+
+def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = None) -> list[dict[str, Any]]:
+    """Load every results.json under ``paths`` (files or directories, searched recursively), and every failed run.
+
+    A failed run (``failed.json``: it stopped on a non-finite loss) comes back as ``{"failed": reason, ...}`` and is
+    listed apart, never pooled. A file that cannot be read is skipped and named in ``unreadable``.
+    """
+    found: list[dict[str, Any]] = []
+    for raw in paths:
+        path = Path(raw)
+        files = [path] if path.is_file() else sorted(path.rglob(RESULTS_FILE))
+        for file in files:
+            try:
+                data = json.loads(file.read_text())
+                if not isinstance(data, dict) or "label" not in data or "train_len" not in data:
+                    raise ValueError("not a posenc results file")
+            except (OSError, UnicodeDecodeError, ValueError) as err:
+                if unreadable is not None:
+                    unreadable.append(f"{file}: {err}")
+                continue
+            data["_source"] = str(file)
+            data.setdefault("training", _recorded_training(file))
+            found.append(data)
+        for file in [] if path.is_file() else sorted(path.rglob(FAILED_FILE)):
+            try:
+                record = json.loads(file.read_text())
+                found.append({"failed": record["reason"], "run_name": record["run_name"], "_source": str(file)})
+            except (OSError, UnicodeDecodeError, ValueError, KeyError) as err:
+                if unreadable is not None:
+                    unreadable.append(f"{file}: {err}")
+    return found
+
+
+def _recorded_training(results_file: Path) -> dict[str, Any]:
+    """Steps and tokens of a result written before results recorded them: from its run's ``run.json``.
+
+    A run directory with a checkpoint but no ``done.json`` did not finish; without either, nothing is known.
+    """
+    folder = results_file.parent
+    run = folder.parent if folder.name.startswith("eval") else folder
+    record: dict[str, Any] = {}
+    try:
+        if (run / RUN_FILE).is_file():
+            summary = json.loads((run / RUN_FILE).read_text())
+            record = {"steps": summary.get("steps"), "tokens": summary.get("tokens")}
+    except (OSError, UnicodeDecodeError, ValueError):
+        record = {}
+    if (run / CHECKPOINT).is_file() and not (run / DONE_FILE).is_file():
+        record["finished"] = False
+    return record
+
+
+def finished(result: dict[str, Any]) -> bool:
+    """Whether a result's weights finished training; results that cannot say count as finished."""
+    return (result.get("training") or {}).get("finished", True) is not False
+
+
+def results_from_wandb(path: str, group: str | None) -> list[dict[str, Any]]:
+    """Rebuild minimal results from W&B runs' summaries (``eval/ppl@Nx``, ``trainer/global_step``).
+
+    Steps and tokens trained come from the summary's step and the logged ``tokens_per_step``.
+    """
+    try:
+        import wandb
+
+        api = wandb.Api(timeout=20)
+        runs = api.runs(path, filters={"group": group} if group else None)
+        runs = list(runs)
+    except Exception as err:  # the W&B client raises many types offline or without a key
+        raise SystemExit(f"could not read W&B project {path!r}: {err}. Use local run directories instead.") from err
+    results = []
+    for run in runs:
+        summary, config = dict(run.summary), dict(run.config)
+        train_len = int(config.get("data", {}).get("seq_len", 0))
+        rows = []
+        for key, value in summary.items():
+            name = key.removeprefix("eval/")  # runs logged before metrics had one namespace: ppl@4x
+            if name.startswith("ppl@") and name.endswith("x"):
+                multiple = float(name[4:-1])
+                ratio = summary.get(key.replace("ppl@", "ppl_ratio@"))
+                length = int(multiple * train_len)
+                rows.append(
+                    {
+                        "length": length,
+                        "mode": "nonoverlap",
+                        "stride": None,
+                        "tokens": None,
+                        "ppl": value,
+                        "ratio": ratio,
+                        "error": None,
+                    }
+                )
+        if rows and train_len:
+            label = next((t for t in run.tags if not t.startswith(("L", "seed"))), run.name)
+            steps, per_step = summary.get("trainer/global_step"), config.get("tokens_per_step")
+            max_steps = (config.get("trainer") or {}).get("max_steps")
+            training = {
+                "steps": steps,
+                "max_steps": max_steps,
+                "tokens": steps * per_step if steps is not None and per_step else None,
+                "finished": steps is None or max_steps is None or steps >= max_steps,
+            }
+            results.append(
+                {
+                    "label": label,
+                    "run_name": run.name,
+                    "training": training,
+                    "train_len": train_len,
+                    "seed": config.get("seed"),
+                    "perplexity": sorted(rows, key=lambda r: r["length"]),
+                }
+            )
+    return results

@@ -1,0 +1,143 @@
+"""What every report section shares: mean ± std cells, a stable column order, the table header, the appendix.
+
+A section module (perplexity, tasks, attention) turns a list of results into markdown lines; the numbers in its
+cells come from here, so every table formats them the same way. Every table's header comes from ``table_head``,
+so no table puts unlike runs side by side unflagged: each column names its runs, steps and tokens trained, the
+settings in which it differs from the other columns are listed above the table, and the ``Appendix`` names the
+run directories behind every column.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from posenc.identity import identity
+
+Key = tuple[int, str, int | None]  # (train_len, mode, stride)
+Columns = dict[str, list[dict[str, Any]]]  # {column label: the runs pooled in it}
+
+
+def mean_std(values: Sequence[float | None]) -> tuple[float, float, int]:
+    """(mean, sample std, n) of the finite values; (nan, nan, 0) when there is none."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan, 0
+    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else 0.0), len(finite)
+
+
+def cell(values: Sequence[float | None], digits: int = 2) -> str:
+    """``mean ± std`` over seeds, the mean alone for one run, ``—`` for none."""
+    mean, std, n = mean_std(values)
+    if n == 0:
+        return "—"
+    return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def order(labels: Iterable[str]) -> list[str]:
+    """Schemes in registry order first, then hybrids, each alphabetically: stable columns across reports."""
+    from posenc.encodings import available
+
+    known = available()
+
+    def key(label: str) -> tuple[bool, int, str]:
+        scheme = label.split(" · ")[0]
+        return scheme not in known, known.index(scheme) if scheme in known else 0, label
+
+    return sorted(set(labels), key=key)
+
+
+def run_dir(run: dict[str, Any]) -> str:
+    """The run directory a result came from (``<run>/eval*/results.json``), or its W&B run."""
+    source = run.get("_source")
+    if not source:
+        return f"W&B run {run.get('run_name') or run['label']}"
+    folder = Path(source).parent
+    return str(folder.parent if folder.name.startswith("eval") else folder)
+
+
+def _count(value: float) -> str:
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:g}"
+
+
+def trained(runs: Sequence[dict[str, Any]]) -> str:
+    """``100 steps · 410k tokens``: what the runs of a column were trained for (``?`` where unrecorded)."""
+    records = [run.get("training") or {} for run in runs]
+    parts = []
+    for field, unit in (("steps", "steps"), ("tokens", "tokens")):
+        values = sorted({r[field] for r in records if r.get(field) is not None})
+        missing = any(r.get(field) is None for r in records)
+        if not values:
+            parts.append(f"? {unit}")
+            continue
+        shown = _count(values[0]) if len(values) == 1 else f"{_count(values[0])}–{_count(values[-1])}"
+        parts.append(f"{shown}{'/?' if missing else ''} {unit}")
+    return " · ".join(parts)
+
+
+# Identity keys a column's label already names (the scheme) or its header shows (steps trained).
+_NAMED = ("encoding.", "run.label", "training.")
+
+
+def differences(by_label: Columns) -> dict[str, list[str]]:
+    """{column: ``key=value`` for every identity setting in which the columns differ}, beyond the scheme itself.
+
+    Within one scheme the labels already name the difference (``alibi · max_steps=40``); across schemes only
+    this says that ``t5`` was trained for 100 steps and ``rope`` for 30.
+    """
+    settings = {label: identity(runs[0]) for label, runs in by_label.items()}
+    keys = sorted({key for one in settings.values() for key in one if not key.startswith(_NAMED)})
+    differing = [key for key in keys if len({repr(one.get(key)) for one in settings.values()}) > 1]
+    if {"data.corpus", "data.task"} & set(differing):  # the corpus says it; its fingerprint adds nothing
+        differing = [key for key in differing if key != "data.fingerprint"]
+    return {label: [f"{key}={settings[label].get(key, '(unset)')}" for key in differing] for label in by_label}
+
+
+class Appendix:
+    """The run directories in each column of each table, listed at the end of the report."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, dict[str, list[str]]] = {}
+
+    def add(self, title: str, by_label: Columns) -> None:
+        self.tables[title] = {label: sorted(run_dir(run) for run in runs) for label, runs in by_label.items()}
+
+    def lines(self) -> list[str]:
+        if not self.tables:
+            return []
+        out = ["", "## Appendix: the runs in each column", ""]
+        for title, by_label in self.tables.items():
+            out += [f"{title}:", ""]
+            out += [f"- {label}: {', '.join(dirs)}" for label, dirs in sorted(by_label.items())]
+            out.append("")
+        return out
+
+
+def table_head(
+    by_label: Columns,
+    labels: Sequence[str],
+    first: str = "| length | ×L | ",
+    title: str | None = None,
+    appendix: Appendix | None = None,
+) -> list[str]:
+    """A table's header: one column per label with its runs (n), steps and tokens trained; the rule below it.
+
+    When columns of different schemes differ in more than their scheme, a line above the table says in what. With an
+    ``appendix``, the table's run directories are recorded under ``title``.
+    """
+    if appendix is not None and title is not None:
+        appendix.add(title, by_label)
+    header = first + " | ".join(f"{label} (n={len(by_label[label])} · {trained(by_label[label])})" for label in labels)
+    out = [header + " |", "|---:" * first.count("|", 1) + "|" + "---:|" * len(labels)]
+    differ = differences({label: by_label[label] for label in labels})
+    schemes = {label.split(" · ")[0] for label in labels}  # within one scheme, the labels name the difference
+    if len(schemes) > 1 and any(differ.values()):
+        notes = "; ".join(f"{label}: {', '.join(differ[label])}" for label in labels)
+        out = [f"**These columns differ in more than their scheme** — {notes}.", "", *out]
+    return out

@@ -1,0 +1,131 @@
+"""The report's figures: one line per column (scheme), per training length; matplotlib is imported only here."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RATIO_MIN_SPAN
+from posenc.evaluate.tasks import CHANCE_PER_BYTE
+from posenc.report.attention import attention_groups, attention_means
+from posenc.report.common import Columns, Key, mean_std, order
+from posenc.report.perplexity import value
+from posenc.report.tasks import TASKS, task_accuracies, task_columns
+
+
+def perplexity_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
+    """Per group: perplexity vs length, ratio vs length, loss by position (one line per scheme)."""
+    from posenc.evaluate.plots import plot_lines, smooth  # matplotlib only when plotting
+
+    images = []
+    for (train_len, mode, stride), by_label in sorted(groups.items(), key=lambda item: str(item[0])):
+        suffix = f"L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
+        for field, ylabel, span, include in (
+            ("ppl", "perplexity", PPL_MIN_SPAN, ()),
+            ("ratio", "perplexity / in-length perplexity", RATIO_MIN_SPAN, (1.0,)),
+        ):
+            series = {}
+            for label in order(by_label):
+                lengths = sorted({row["length"] for run in by_label[label] for row in run["perplexity"]})
+                stats = [mean_std([value(run, length, field) for run in by_label[label]]) for length in lengths]
+                kept = [(length, m, s) for length, (m, s, n) in zip(lengths, stats, strict=True) if n]
+                if kept:
+                    series[label] = ([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept])
+            images.append(
+                plot_lines(
+                    series,
+                    out_dir / f"{field}_vs_length_{suffix}.png",
+                    f"{field} vs evaluation length (trained at L={train_len}, {mode})",
+                    "evaluation length (tokens)",
+                    ylabel,
+                    train_len=train_len,
+                    logy=True,
+                    min_span=span,
+                    include=include,
+                )
+            )
+        curves = {}
+        for label in order(by_label):
+            per_run = [run.get("loss_by_position") or {} for run in by_label[label]]
+            common = set.intersection(*(set(c) for c in per_run)) if per_run else set()
+            if common:
+                longest = max(common, key=int)
+                length = int(longest)
+                mean_curve = [statistics.fmean(c[longest][i] for c in per_run) for i in range(length)]
+                x, y = smooth(mean_curve)
+                curves[label] = (x, y, None)
+        if curves:
+            images.append(
+                plot_lines(
+                    curves,
+                    out_dir / f"loss_by_position_{suffix}.png",
+                    f"loss by position (trained at {train_len})",
+                    "position in window",
+                    "loss (nats)",
+                    train_len=train_len,
+                    min_span=LOSS_MIN_SPAN,
+                )
+            )
+    return images
+
+
+def task_plots(results: list[dict[str, Any]], out_dir: Path, tasks: Sequence[str] = TASKS) -> list[Path]:
+    """Exact-match and per-byte accuracy vs length (0 to 1, per-byte chance marked), one line per scheme."""
+    from posenc.evaluate.plots import plot_lines  # matplotlib only when plotting
+
+    images = []
+    for task in tasks:
+        for train_len, by_label in sorted(task_columns(results, task).items()):
+            for field, what, suffix in (("accuracy", "exact-match", ""), ("token_accuracy", "per-byte", "_per_byte")):
+                series = {}
+                for label in order(by_label):
+                    lengths = sorted({row["length"] for run in by_label[label] for row in run[task]})
+                    stats = [mean_std(task_accuracies(by_label[label], task, n, field=field)) for n in lengths]
+                    kept = [(n, m, sd) for n, (m, sd, count) in zip(lengths, stats, strict=True) if count]
+                    if kept:
+                        series[label] = ([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept])
+                if not series:
+                    continue
+                images.append(
+                    plot_lines(
+                        series,
+                        out_dir / f"{task}_accuracy{suffix}_L{train_len}.png",
+                        f"{task} {what} accuracy vs length (trained at L={train_len})",
+                        "evaluation length (tokens)",
+                        f"{what} accuracy",
+                        train_len=train_len,
+                        ylim=ACCURACY_LIMITS,
+                        references={"per-byte chance": CHANCE_PER_BYTE[task]} if suffix else None,
+                    )
+                )
+    return images
+
+
+def attention_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Sink mass and mean attended distance vs length, one line per scheme, per training length and data."""
+    from posenc.evaluate.plots import plot_lines  # matplotlib only when plotting
+
+    images = []
+    for (train_len, data), by_label in sorted(attention_groups(results).items()):
+        for stat, ylabel, logy in (("sink", "sink mass", False), ("distance", "mean attended distance", True)):
+            series = {}
+            for label in order(by_label):
+                per_run = [attention_means(run, stat) for run in by_label[label]]
+                lengths = sorted({n for means in per_run for n in means})
+                stats = [mean_std([means.get(n) for means in per_run]) for n in lengths]
+                series[label] = (lengths, [m for m, _, _ in stats], [sd for _, sd, _ in stats])
+            images.append(
+                plot_lines(
+                    series,
+                    out_dir / f"attention_{stat}_L{train_len}_{data}.png",
+                    f"{ylabel} vs length, mean over layers and heads (trained at L={train_len} on {data})",
+                    "evaluation length (tokens)",
+                    ylabel,
+                    train_len=train_len,
+                    logy=logy,
+                    min_span=PPL_MIN_SPAN if logy else None,
+                )
+            )
+    return images

@@ -1,0 +1,189 @@
+"""Building from a saved run: its data module, its identity record, its checkpoint and the trained module.
+
+Also what ``posenc.evaluate`` needs to find a run's checkpoint and to refuse one that does not match the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from posenc.config import to_container
+from posenc.runs.records import CHECKPOINT, RUN_FILE, RunError, read_json, training_record
+
+if TYPE_CHECKING:
+    from posenc.data.datamodule import TaskDataModule, TextDataModule
+    from posenc.lit import LitDecoder
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building from a saved config
+
+
+def build_datamodule(config: Mapping[str, Any], num_samples: int) -> TextDataModule | TaskDataModule:
+    """The data module a ``data`` config describes: a synthetic ``task`` or a text ``corpus``."""
+    from posenc.data.datamodule import TaskDataModule, TextDataModule
+
+    data = config["data"]
+    common = {
+        "seq_len": data["seq_len"],
+        "batch_size": data["batch_size"],
+        "num_samples": num_samples,
+        "val_windows": data.get("val_windows"),
+        "num_workers": data.get("num_workers", 0),
+        "seed": config["seed"],
+    }
+    if "task" in data:
+        return TaskDataModule(task=data["task"], **common)
+    return TextDataModule(
+        corpus=data["corpus"], corpus_options=data.get("corpus_options"), cache_dir=data["cache_dir"], **common
+    )
+
+
+def run_info(config: Mapping[str, Any], label: str, data_info: dict[str, Any]) -> dict[str, Any]:
+    """What identifies a run in results files and the report (the full config: the report's identity)."""
+    return {
+        "label": label,
+        "encoding": config["encoding"],
+        "train_len": config["data"]["seq_len"],
+        "seed": config["seed"],
+        "model": config["model"],
+        "data": data_info,
+        "run_name": config["run_name"],
+        "config": dict(config),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """A Lightning checkpoint's contents; a truncated or foreign file fails with one line naming it."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
+        raise RunError(
+            f"{path} cannot be read as a checkpoint ({type(err).__name__}): it is truncated or not a checkpoint; "
+            "delete it (a run then starts afresh) or point at another checkpoint"
+        ) from None
+
+
+def read_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
+    """(global step, training config) of a Lightning checkpoint, without reading its tensors (mmap)."""
+    state = load_checkpoint(path, mmap=True)
+    if "global_step" not in state:
+        raise RunError(f"{path} is not a Lightning checkpoint (no global_step): point at a posenc checkpoint")
+    return int(state["global_step"]), dict(state.get("hyper_parameters", {}).get("config", {}))
+
+
+def checkpoint_training(path: Path, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``training`` record of a checkpoint's weights: its step, tokens and whether the run finished.
+
+    Tokens per step come from the checkpoint's ``TokenAccounting`` state (the world size is only known while
+    training), else from the run's ``run.json``; an older checkpoint without either records no token count.
+    """
+    state = load_checkpoint(path, mmap=True)
+    step = int(state.get("global_step", 0))
+    accounting = (state.get("callbacks") or {}).get("TokenAccounting") or {}
+    tokens_per_step = accounting.get("tokens_per_step")
+    summary = path.parent.parent / RUN_FILE
+    if tokens_per_step is None and summary.is_file():
+        tokens_per_step = read_json(summary).get("tokens_per_step")
+    return training_record(step, int(config["trainer"]["max_steps"]), tokens_per_step, step)
+
+
+def load_module(checkpoint: Path, device: str, attention: str | None) -> tuple[LitDecoder, dict[str, Any]]:
+    """The trained module and its config from a checkpoint (optionally with another attention backend).
+
+    The blocks are never compiled here: evaluation runs them uncompiled (``posenc/compiling.py``).
+    """
+    from posenc.lit import LitDecoder
+
+    state = load_checkpoint(checkpoint)
+    try:
+        hparams = state["hyper_parameters"]
+        config = hparams["config"]
+    except (KeyError, TypeError) as err:
+        raise RunError(f"{checkpoint} is not a posenc checkpoint (no saved config: missing {err})") from None
+    if attention is not None:
+        config = {**config, "attention": {"name": attention}}
+    module = LitDecoder({**config, "compile": False}, vocab_size=hparams["vocab_size"])
+    try:
+        module.load_state_dict(state["state_dict"])
+    except RuntimeError as err:
+        first = str(err).splitlines()[0]
+        raise RunError(
+            f"checkpoint/config mismatch: {checkpoint}'s weights do not fit its saved config: {first}"
+        ) from None
+    return module.to(device).eval(), config
+
+
+def resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint ``resume`` names (``last``: this run's own), or ``None`` to start fresh."""
+    if resume is None:
+        return None
+    path = run_dir / CHECKPOINT if resume == "last" else Path(resume)
+    if not path.is_file():
+        raise RunError(f"resume={resume}: there is no checkpoint at {path}")
+    return path
+
+
+EVALUATE_USAGE = (
+    "usage: python -m posenc.evaluate <run dir or checkpoint.ckpt> [eval.multiples=[1,2,4] eval.mode=sliding ...]"
+)
+
+
+def resolve_checkpoint(target: str) -> tuple[Path, Path]:
+    """(checkpoint file, run directory) for a run directory or a checkpoint path."""
+    path = Path(target).expanduser()
+    if path.is_dir():
+        checkpoint = path / "checkpoints" / "last.ckpt"
+        if not checkpoint.exists():
+            raise RunError(f"no checkpoint at {checkpoint}: is {path} a posenc run directory that finished a step?")
+        return checkpoint, path
+    if path.is_file():
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return path, run_dir
+    raise RunError(f"{target} is neither a run directory nor a checkpoint file; {EVALUATE_USAGE}")
+
+
+def check_consistency(trained: dict[str, Any], run_dir: Path, cfg: DictConfig) -> None:
+    """Refuse to evaluate a checkpoint under a config it was not trained with."""
+    saved = run_dir / ".hydra" / "config.yaml"
+    if saved.exists():
+        run_config = _saved_config(saved)
+        for key in ("encoding", "model"):
+            if key in run_config and _plain(run_config[key]) != _plain(trained[key]):
+                raise SystemExit(
+                    f"checkpoint/config mismatch in {key!r}: {run_dir}/.hydra/config.yaml says {run_config[key]} but "
+                    f"the checkpoint was trained with {trained[key]}. The checkpoint was probably copied from another "
+                    "run: point posenc.evaluate at that run's directory."
+                )
+    for key in ("encoding", "model"):
+        asked = OmegaConf.select(cfg, key)
+        if asked is not None and _plain(to_container(asked)) != _plain(trained[key]):
+            raise SystemExit(
+                f"checkpoint/config mismatch in {key!r}: the checkpoint was trained with {trained[key]} but the "
+                f"command asks for {to_container(asked)}. Evaluation always uses the trained model: drop the override."
+            )
+
+
+def _saved_config(path: Path) -> dict[str, Any]:
+    """A run's config.yaml, resolved where it can be (``learned.max_positions: ${data.seq_len}`` → 64)."""
+    loaded = OmegaConf.load(path)
+    try:
+        return OmegaConf.to_container(loaded, resolve=True)  # type: ignore[return-value]
+    except Exception:  # an interpolation that needs Hydra's runtime: compare what is literal
+        return OmegaConf.to_container(loaded, resolve=False)  # type: ignore[return-value]
+
+
+def _plain(value: Any) -> Any:
+    """Compare configs without interpolations (e.g. learned.max_positions: ${data.seq_len} vs 64)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if not (isinstance(v, str) and v.startswith("${"))}
+    return value

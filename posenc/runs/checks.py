@@ -1,0 +1,175 @@
+"""Checks before any work: a config that cannot train or evaluate is refused in one line, before anything is built.
+
+``RUNTIME_KEYS`` says which settings only change how a run executes or logs, not what it trains and evaluates;
+everything else is the experiment (``experiment_settings``), which a relaunch must keep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from posenc.data.tokenizer import ByteTokenizer
+from posenc.runs.records import RunError
+
+if TYPE_CHECKING:
+    from posenc.data.datamodule import TaskDataModule, TextDataModule
+
+# torch and the model are imported where they are needed: the checks here must stay quick to import, so that a
+# bad input is refused before the heavy libraries load.
+
+# Config keys that say how a run executes or where it logs, not what it trains and evaluates: a relaunch may
+# change them (a key names itself and everything under it).
+RUNTIME_KEYS = (
+    "resume",
+    "output_root",
+    "sweep_name",
+    "run_name",
+    "logger",
+    "compile",
+    "checkpoint_every_n_steps",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "data.num_workers",
+    "data.cache_dir",
+    "eval.plots",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a run is
+
+
+def experiment_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config as dotted keys, without ``RUNTIME_KEYS``: what must match for a job to skip or resume."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if any(dotted == k or dotted.startswith(f"{k}.") for k in RUNTIME_KEYS):
+                continue
+            if isinstance(value, Mapping) and value:
+                walk(value, f"{dotted}.")
+            else:
+                flat[dotted] = value
+
+    walk(config, "")
+    return flat
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks before any work
+
+
+def _whole(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and float(value).is_integer()
+
+
+def config_problems(config: Mapping[str, Any]) -> list[str]:
+    """Everything wrong with the values a run will use, found without building anything (one line each)."""
+    problems = []
+    data, model, trainer, optim, evaluation = (config[k] for k in ("data", "model", "trainer", "optim", "eval"))
+    for key, value in (
+        ("data.seq_len", data["seq_len"]),
+        ("data.batch_size", data["batch_size"]),
+        ("trainer.max_steps", trainer["max_steps"]),
+        ("model.dim", model["dim"]),
+        ("model.heads", model["heads"]),
+        ("model.depth", model["depth"]),
+    ):
+        if not _whole(value) or value < 1:
+            problems.append(f"{key}={value!r} must be a whole number ≥ 1")
+    lr = optim["lr"]
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
+        problems.append(f"optim.lr={lr!r} must be a positive number (e.g. optim.lr=1e-3)")
+    problems += eval_problems(evaluation)
+    if not problems and model["dim"] % model["heads"]:
+        near = max(model["heads"], round(model["dim"] / model["heads"]) * model["heads"])
+        problems.append(
+            f"model.dim={model['dim']} is not divisible by model.heads={model['heads']}: "
+            f"choose a multiple, e.g. model.dim={near}"
+        )
+    return problems
+
+
+def eval_problems(evaluation: Mapping[str, Any]) -> list[str]:
+    """What is wrong with an ``eval`` config (lengths, mode, stride), one line each."""
+    problems: list[str] = []
+    for key, multiples in (
+        ("eval.multiples", evaluation["multiples"]),
+        ("eval.passkey.multiples", (evaluation.get("passkey") or {}).get("multiples", [])),
+        ("eval.copy.multiples", (evaluation.get("copy") or {}).get("multiples", [])),
+    ):
+        if not multiples or any(not _whole(m) or m < 1 for m in multiples):
+            problems.append(
+                f"{key}={multiples} must list whole multiples of the training length ≥ 1, e.g. {key}=[1,2,4]"
+            )
+    if evaluation["mode"] not in ("nonoverlap", "sliding"):
+        problems.append(f"eval.mode={evaluation['mode']!r} must be nonoverlap or sliding")
+    elif evaluation["mode"] == "sliding" and (not _whole(evaluation.get("stride")) or evaluation["stride"] < 1):
+        problems.append(f"eval.mode=sliding needs eval.stride ≥ 1, got {evaluation.get('stride')!r}")
+    return problems
+
+
+def check_model(config: Mapping[str, Any]) -> None:
+    """Build the model on the meta device (no memory, no time) so that a scheme refuses its options up front."""
+    import torch
+
+    from posenc.model import Decoder
+
+    model_cfg, seq_len = config["model"], config["data"]["seq_len"]
+    kwargs = {"encoding": config["encoding"], "vocab_size": ByteTokenizer.vocab_size, **model_cfg}
+    try:
+        try:
+            with torch.device("meta"):
+                model = Decoder(attention=config["attention"]["name"], **kwargs)
+        except (NotImplementedError, RuntimeError):  # a scheme that reads tensor values while it builds
+            model = Decoder(attention=config["attention"]["name"], **kwargs)
+    except (ValueError, TypeError) as err:
+        raise RunError(f"invalid encoding/model settings: {err}") from None
+    limits = [m.max_positions for m in model.modules() if getattr(m, "max_positions", None) is not None]
+    if limits and min(limits) < seq_len:
+        raise RunError(
+            f"{model.label} represents at most {min(limits)} positions but data.seq_len={seq_len}: raise its "
+            f"max_positions (encoding.max_positions={seq_len}) or lower data.seq_len"
+        )
+
+
+def check_device(config: Mapping[str, Any]) -> None:
+    """FlexAttention has no CPU backward: training with ``attention=flex`` needs a CUDA GPU."""
+    import torch
+
+    attention, accelerator = config["attention"]["name"], config["trainer"]["accelerator"]
+    on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    if attention == "flex" and not on_gpu:
+        raise RunError(
+            "attention=flex trains only on a CUDA GPU (FlexAttention has no CPU backward): use attention=auto "
+            "(it picks sdpa on CPU) or attention=sdpa"
+        )
+
+
+def validate(config: Mapping[str, Any]) -> None:
+    """Refuse a config that cannot train or evaluate, before anything is built or written."""
+    problems = config_problems(config)
+    if problems:
+        raise RunError("; ".join(problems))
+    check_model(config)
+    check_device(config)
+
+
+def check_data(datamodule: TextDataModule | TaskDataModule) -> dict[str, Any]:
+    """Load (or build) the corpus and check every split holds a window; returns the datamodule's description."""
+    try:
+        info = datamodule.describe()
+    except (FileNotFoundError, ValueError, RuntimeError, ImportError) as err:
+        raise RunError(str(err)) from None
+    for split, tokens in (info.get("tokens") or {}).items():
+        if tokens < datamodule.seq_len + 2:
+            raise RunError(
+                f"the {info['corpus']} corpus's {split} split has {tokens} tokens, fewer than one window of "
+                f"data.seq_len={datamodule.seq_len} + 1: give it more text or lower data.seq_len"
+            )
+    return info
