@@ -25,6 +25,7 @@ from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.encodings.base import PositionalEncoding
 from posenc.evaluate import RESULTS_FILE
 from posenc.evaluate.attention_stats import attention_plots, attention_stats_by_length, attention_summary, stats_windows
+from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO, effective_lengths
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.retrieval import evaluate_retrieval_tasks
@@ -140,6 +141,7 @@ def _evaluate(
         results["attention_stats"] = attention_stats_by_length(
             model, stats_lengths, windows_for, train_len, batch_tokens
         )
+    results["effective_length"] = effective_lengths(results)
     results["summary"] = summary_metrics(results)
     return results
 
@@ -169,6 +171,9 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
             out[f"{name}_acc@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
     for (stat, length), value in attention_summary(results.get("attention_stats") or []).items():
         out[f"attn_{stat}@{_multiple_tag(length / train_len)}"] = value
+    for metric, length in (results.get("effective_length") or {}).items():
+        if length is not None:  # a summary holds numbers; no in-length figure means no value
+            out[f"effective_length/{metric}"] = length
     return out
 
 
@@ -298,6 +303,17 @@ def print_results(results: dict[str, Any]) -> None:
         if name in results:
             accs = {k: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
             print(f"{name} accuracy by length: " + ", ".join(f"{k.split('@')[1]} {v:.2f}" for k, v in accs.items()))
+    effective = results.get("effective_length")
+    if effective:
+        settings = results.get("eval") or {}
+        rule = (
+            f"ppl ≤ {settings.get('effective_ppl_ratio', DEFAULT_PPL_RATIO):g}× in-length, "
+            f"accuracy ≥ {settings.get('effective_acc_fraction', DEFAULT_ACC_FRACTION):g}× in-length, at every length"
+        )
+        print(
+            f"effective length ({rule}): "
+            + ", ".join(f"{metric} {'n/a' if n is None else n}" for metric, n in effective.items())
+        )
     for stat in ("sink", "distance"):
         values = {k: v for k, v in results["summary"].items() if k.startswith(f"attn_{stat}@")}
         if values:
