@@ -132,8 +132,14 @@ def _evaluate(
                 )
             else:
                 results["copy"] = evaluate_copy(model, task_lengths, options["samples"], seed, batch_tokens)
+    task_options = ((run_info.get("config") or {}).get("data") or {}).get("task_options")
     results |= evaluate_retrieval_tasks(
-        model, eval_cfg, task, lambda multiples: supported([int(m * train_len) for m in multiples], model), batch_tokens
+        model,
+        eval_cfg,
+        task,
+        lambda multiples: supported([int(m * train_len) for m in multiples], model),
+        batch_tokens,
+        task_options,
     )
     if eval_cfg.get("attention_stats"):
         windows_for = stats_windows(stream, task, int(eval_cfg.get("attention_stats_tokens", 4096)), seed)
@@ -169,6 +175,9 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
             by_length.setdefault(row["length"], []).append(row["accuracy"])
         for length, accs in by_length.items():
             out[f"{name}_acc@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
+        for row in results.get(name, []):
+            if "first_byte_accuracy" in row:  # retrieval tasks: one row per length
+                out[f"{name}_first_byte@{_multiple_tag(row['length'] / train_len)}"] = row["first_byte_accuracy"]
     for (stat, length), value in attention_summary(results.get("attention_stats") or []).items():
         out[f"attn_{stat}@{_multiple_tag(length / train_len)}"] = value
     for metric, length in (results.get("effective_length") or {}).items():
@@ -303,6 +312,11 @@ def print_results(results: dict[str, Any]) -> None:
         if name in results:
             accs = {k: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
             print(f"{name} accuracy by length: " + ", ".join(f"{k.split('@')[1]} {v:.2f}" for k, v in accs.items()))
+            rows = [r for r in results[name] if "first_byte_accuracy" in r]
+            if rows:
+                chance = f"chance {rows[0]['chance_first_byte']:.3g}, exact {rows[0]['chance_exact']:.3g}"
+                firsts = ", ".join(f"{r['length'] / train_len:g}x {r['first_byte_accuracy']:.2f}" for r in rows)
+                print(f"{name} first answer byte by length ({chance}): {firsts}")
     effective = results.get("effective_length")
     if effective:
         settings = results.get("eval") or {}
