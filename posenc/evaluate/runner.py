@@ -142,7 +142,7 @@ def _evaluate(
         task_options,
     )
     if eval_cfg.get("attention_stats"):
-        windows_for = stats_windows(stream, task, int(eval_cfg.get("attention_stats_tokens", 4096)), seed)
+        windows_for = stats_windows(stream, task, int(eval_cfg.get("attention_stats_tokens", 4096)), seed, task_options)
         stats_lengths = [n for n in supported(lengths, model) if stream is None or n < len(stream)]
         results["attention_stats"] = attention_stats_by_length(
             model, stats_lengths, windows_for, train_len, batch_tokens
