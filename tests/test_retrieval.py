@@ -15,6 +15,7 @@ from torch import nn
 from posenc.data.datamodule import TaskDataModule
 from posenc.data.retrieval import RETRIEVAL_TASKS, RetrievalDataset, assoc_sample, chance_rates, task_dataset
 from posenc.evaluate.retrieval import answer_spans, evaluate_retrieval
+from posenc.evaluate.runner import summary_metrics
 from posenc.evaluate.tasks import IGNORE, TaskDataset
 from posenc.report import build_report, find_results
 from posenc.train import train
@@ -209,3 +210,12 @@ def test_retrieval_training_is_scored_on_its_task_with_attention_statistics(tmp_
     assert "## multikey accuracy, trained at L=48" in markdown
     assert "## Attention: sink by length, trained at L=48 on multikey" in markdown
     assert (tmp_path / "report" / "attention_sink_L48_multikey.png").exists()
+
+
+def test_summary_has_exact_match_and_first_byte_by_length() -> None:
+    rows = [
+        {"task": "assoc", "length": n, "accuracy": a, "first_byte_accuracy": f, "token_accuracy": f}
+        for n, a, f in [(64, 0.9, 0.95), (128, 0.4, 0.5)]
+    ]
+    summary = summary_metrics({"train_len": 64, "assoc": rows})
+    assert summary["assoc_acc@1x"] == 0.9 and summary["assoc_first_byte@2x"] == 0.5
