@@ -13,8 +13,9 @@ from helpers import FAST, compose_train
 from torch import nn
 
 from posenc.data.datamodule import TaskDataModule
-from posenc.data.retrieval import RETRIEVAL_TASKS, RetrievalDataset, task_dataset
-from posenc.evaluate.retrieval import evaluate_retrieval
+from posenc.data.retrieval import RETRIEVAL_TASKS, RetrievalDataset, assoc_sample, chance_rates, task_dataset
+from posenc.evaluate.retrieval import answer_spans, evaluate_retrieval
+from posenc.evaluate.runner import summary_metrics
 from posenc.evaluate.tasks import IGNORE, TaskDataset
 from posenc.report import build_report, find_results
 from posenc.train import train
@@ -44,8 +45,9 @@ def expected_answer(task: str, text: str) -> str:
             held[name] = held.get(source, source)
         order = [name for name, _ in re.findall(r"#([A-Z])=(\d{3}|[A-Z])#", text)]
         return "".join(name for name in order if held[name] == value)
-    pairs = dict(re.findall(r"([a-z]{2}):(\d{2}),", text))
-    return "".join(pairs[key] for key in re.findall(r"\?([a-z]{2}):\d{2}", text))
+    block, queries = re.fullmatch(r" *((?:[a-z]\d)+) *((?:[a-z]\d)+)", text).groups()
+    pairs = dict(re.findall(r"([a-z])(\d)", block))
+    return "".join(pairs[key] for key in re.findall(r"([a-z])\d", queries))
 
 
 @pytest.mark.parametrize("length", [64, 257, 1024])
@@ -57,14 +59,77 @@ def test_every_sample_answers_its_question_and_only_the_answer_is_scored(task: s
         assert positions[-1] == length  # the window ends with the (last) answer
 
 
-def test_facts_scale_with_the_window_and_keys_are_distinct() -> None:
-    short, _, _ = text_and_answer("assoc", 64, 0)
-    long, _, _ = text_and_answer("assoc", 1024, 0)
-    assert len(re.findall(r"[a-z]{2}:\d{2},", long)) > 10 * len(re.findall(r"[a-z]{2}:\d{2},", short)) // 2
-    keys = re.findall(r"([a-z]{2}):\d{2},", long)
-    assert len(keys) == len(set(keys))
+def test_multikey_keys_are_distinct() -> None:
     text, _, _ = text_and_answer("multikey", 512, 3)
     assert len(set(re.findall(r"#([A-Z]{2})=", text))) == 4
+
+
+def assoc_text(length: int, seed: int, **options) -> tuple[str, list[int]]:
+    sample = assoc_sample(length, np.random.default_rng(seed), **options)
+    text = bytes([*sample.inputs.tolist(), int(sample.targets[-1])]).decode()
+    return text, [i + 1 for i in (sample.targets != IGNORE).nonzero().flatten().tolist()]
+
+
+def query_distances(text: str, num_pairs: int, value_len: int = 1) -> list[int]:
+    """For every query, how far it sits after its key in the block (key byte to key byte)."""
+    block_start = len(text) - len(text.lstrip(" "))
+    stride = 1 + value_len
+    keys = {text[block_start + i * stride]: block_start + i * stride for i in range(num_pairs)}
+    query_start = len(text.rstrip(" ")) - len(text.rstrip(" ").split(" ")[-1])
+    return [q - keys[text[q]] for q in range(query_start, len(text), stride)]
+
+
+@pytest.mark.parametrize("options", [{}, {"num_pairs": 4, "num_queries": 2, "value_len": 3}])
+def test_assoc_pairs_are_fixed_and_only_the_distance_grows(options: dict) -> None:
+    pairs, queries, value_len = options.get("num_pairs", 8), options.get("num_queries", 8), options.get("value_len", 1)
+    for seed in range(10):
+        texts = {n: assoc_text(n, seed, **options) for n in (64, 256, 1024)}
+        for text, scored in texts.values():
+            block = text.lstrip(" ").split(" ")[0]
+            assert len(block) == pairs * (1 + value_len) and len(set(block[:: 1 + value_len])) == pairs
+            assert len(text.rstrip(" ").split(" ")[-1]) == queries * (1 + value_len)
+            # the loss mask is exactly the answer bytes: every value byte of every query, nothing else
+            query_start = len(text) - queries * (1 + value_len)
+            assert scored == [q + 1 + j for q in range(query_start, len(text), 1 + value_len) for j in range(value_len)]
+        # the same keys, values and queries at every length; a longer window only widens the gap
+        short, long = texts[64][0], texts[1024][0]
+        assert short.split() == long.split()
+        assert [d + 960 for d in query_distances(short, pairs, value_len)] == query_distances(long, pairs, value_len)
+    text, _ = texts[1024]
+    assert min(query_distances(text, pairs, value_len)) > 1024 - 64  # every query is past a training window
+
+
+def test_assoc_random_lead_spreads_the_distances_of_training_windows() -> None:
+    leads = {len(t) - len(t.lstrip(" ")) for t, _ in (assoc_text(64, s, random_lead=True) for s in range(30))}
+    assert len(leads) > 10 and max(leads) <= 65 - 32  # a window holds length + 1 bytes, 32 of them pairs and queries
+    assert {len(t) - len(t.lstrip(" ")) for t, _ in (assoc_text(64, s) for s in range(30))} == {0}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"num_pairs": 27}, "num_pairs must be in 1..26"),
+        ({"num_pairs": 4, "num_queries": 5}, "num_queries must be in 1..num_pairs=4"),
+        ({"value_len": 0}, "value_len must be ≥ 1"),
+        ({"num_pairs": 20, "num_queries": 20}, "assoc needs length ≥ 79"),
+    ],
+)
+def test_assoc_bad_options_fail_clearly(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        assoc_sample(64, np.random.default_rng(0), **options)
+
+
+def test_task_options_reach_the_dataset_and_are_checked() -> None:
+    dataset = TaskDataModule(
+        "assoc", seq_len=64, batch_size=2, num_samples=2, task_options={"num_pairs": 3, "num_queries": 3}
+    )
+    _, targets = next(iter(dataset.train_dataloader()))
+    assert int((targets != IGNORE).sum()) == 2 * 3
+    with pytest.raises(ValueError, match="do not fit assoc"):
+        task_dataset("assoc", 64, 2, 0, options={"num_keys": 3})
+    with pytest.raises(ValueError, match="task_options are for the retrieval tasks"):
+        task_dataset("passkey", 64, 2, 0, options={"num_pairs": 3})
+    assert chance_rates("assoc", {"value_len": 2}) == pytest.approx((0.1, 0.01))
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -85,16 +150,18 @@ def test_datasets_are_seeded_and_dispatched(task: str) -> None:
 
 
 class Lookup(nn.Module):
-    """Knows the targets of the given samples: right on every answer byte, or on the first ``right`` of each sample."""
+    """Knows the targets of the given samples: right on every answer byte, or on the first ``right`` of each answer."""
 
-    def __init__(self, task: str, lengths: list[int], samples: int, seed: int, right: int | None = None) -> None:
+    def __init__(
+        self, task: str, lengths: list[int], samples: int, seed: int, right: int | None = None, **options
+    ) -> None:
         super().__init__()
         self.dummy = nn.Parameter(torch.zeros(()))
         self.targets = {}
         for length in lengths:
             rng = np.random.default_rng([seed, length, TASKS.index(task)])  # as evaluate_retrieval draws them
             for _ in range(samples):
-                sample = RETRIEVAL_TASKS[task](length, rng)
+                sample = RETRIEVAL_TASKS[task](length, rng, **options)
                 self.targets[tuple(sample.inputs.tolist())] = sample.targets
         self.right = right
 
@@ -102,19 +169,30 @@ class Lookup(nn.Module):
         logits = torch.zeros(*tokens.shape, VOCAB)
         for row, seq in enumerate(tokens.tolist()):
             targets = self.targets[tuple(seq)]
-            scored = (targets != IGNORE).nonzero().flatten().tolist()
-            for position in scored[: self.right]:
-                logits[row, position, targets[position]] = 10.0
+            for start, end in answer_spans(targets):
+                for position in range(start, end if self.right is None else min(end, start + self.right)):
+                    logits[row, position, targets[position]] = 10.0
         return logits
 
 
-@pytest.mark.parametrize("task", TASKS)
-def test_scoring_counts_a_sample_only_when_every_answer_byte_is_right(task: str) -> None:
-    perfect = evaluate_retrieval(Lookup(task, [64, 128], 6, seed=0), task, [64, 128], samples=6, seed=0)
-    assert [(r["length"], r["accuracy"], r["token_accuracy"]) for r in perfect] == [(64, 1.0, 1.0), (128, 1.0, 1.0)]
-    first_only = evaluate_retrieval(Lookup(task, [64], 6, seed=0, right=1), task, [64], samples=6, seed=0)[0]
-    answer_len = len(text_and_answer(task, 64, 0)[1])
-    assert first_only["accuracy"] == 0.0 and first_only["token_accuracy"] == pytest.approx(1 / answer_len)
+@pytest.mark.parametrize(("task", "options"), [("multikey", {}), ("vartrack", {}), ("assoc", {"value_len": 2})])
+def test_scoring_counts_an_answer_only_when_every_byte_is_right(task: str, options: dict) -> None:
+    perfect = evaluate_retrieval(Lookup(task, [64, 128], 6, 0, **options), task, [64, 128], 6, 0, options=options)
+    assert [(r["length"], r["accuracy"], r["first_byte_accuracy"], r["token_accuracy"]) for r in perfect] == [
+        (64, 1.0, 1.0, 1.0),
+        (128, 1.0, 1.0, 1.0),
+    ]
+    first_only = evaluate_retrieval(Lookup(task, [64], 6, 0, right=1, **options), task, [64], 6, 0, options=options)[0]
+    answer_len = {"multikey": 4, "vartrack": 3, "assoc": 2}[task]
+    assert first_only["accuracy"] == 0.0 and first_only["first_byte_accuracy"] == 1.0
+    assert first_only["token_accuracy"] == pytest.approx(1 / answer_len)
+    assert first_only["answers"] == 6 * (8 if task == "assoc" else 1)  # assoc: every query is an answer
+    assert first_only["chance_first_byte"] == pytest.approx(1 / 26 if task == "vartrack" else 0.1)
+
+
+def test_answer_spans_split_runs_of_scored_bytes() -> None:
+    targets = torch.tensor([IGNORE, 5, IGNORE, 6, 7, IGNORE, 8])
+    assert answer_spans(targets) == [(1, 2), (3, 5), (6, 7)]
 
 
 def test_retrieval_training_is_scored_on_its_task_with_attention_statistics(tmp_path: Path) -> None:
@@ -132,3 +210,20 @@ def test_retrieval_training_is_scored_on_its_task_with_attention_statistics(tmp_
     assert "## multikey accuracy, trained at L=48" in markdown
     assert "## Attention: sink by length, trained at L=48 on multikey" in markdown
     assert (tmp_path / "report" / "attention_sink_L48_multikey.png").exists()
+
+
+def test_summary_has_exact_match_and_first_byte_by_length() -> None:
+    rows = [
+        {"task": "assoc", "length": n, "accuracy": a, "first_byte_accuracy": f, "token_accuracy": f}
+        for n, a, f in [(64, 0.9, 0.95), (128, 0.4, 0.5)]
+    ]
+    summary = summary_metrics({"train_len": 64, "assoc": rows})
+    assert summary["assoc_acc@1x"] == 0.9 and summary["assoc_first_byte@2x"] == 0.5
+
+
+def test_task_options_from_the_data_config_reach_training() -> None:
+    from posenc.runs.checkpoints import build_datamodule
+
+    config = compose_train("+encoding=alibi", "data=assoc", "data.task_options.num_pairs=4")
+    datamodule = build_datamodule(config, num_samples=8)
+    assert datamodule.task_options["num_pairs"] == 4 and datamodule.describe()["task_options"]["num_pairs"] == 4

@@ -253,7 +253,7 @@ def test_rope_scaling_frequencies() -> None:
     torch.testing.assert_close(pi.inv_freq.double(), base_freq / 8)
     ntk.set_context_scaling("ntk", 8, 64)  # base' = 10000 · 8^(4/2): θ'_1 = 0.01 / 8, θ'_0 = 1
     torch.testing.assert_close(ntk.inv_freq.double(), torch.tensor([1.0, 0.01 / 8], dtype=torch.float64))
-    yarn.set_context_scaling("yarn", 8, 64)
+    yarn.set_context_scaling("yarn_paper", 8, 64)
     ramp = (64 / (2 * math.pi) - 1) / 31  # θ_0 = 1 turns 10.2 times in 64 positions: partly kept
     expected = [(1 - ramp) / 8 + ramp, 0.01 / 8]  # θ_1 turns 0.1 times: interpolated
     torch.testing.assert_close(yarn.inv_freq.double(), torch.tensor(expected, dtype=torch.float64))

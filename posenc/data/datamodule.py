@@ -7,6 +7,7 @@ resumed run continue with fresh samples instead of replaying the ones it already
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from posenc.data.cache import tokenized_splits
 from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
-from posenc.data.retrieval import task_dataset
+from posenc.data.retrieval import evaluation_options, task_dataset
 from posenc.data.tokenizer import ByteTokenizer
 
 
@@ -160,16 +161,26 @@ class TaskDataModule(_WindowDataModule):
         val_windows: int | None = 256,
         num_workers: int = 0,
         seed: int = 0,
+        task_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(seq_len, batch_size, num_samples, num_workers, seed)
         self.task, self.val_samples = task, val_windows or 256
+        self.task_options = dict(task_options or {})
 
     def describe(self) -> dict[str, Any]:
-        return {"task": self.task, "seed": self.seed}
+        return {"task": self.task, "seed": self.seed} | (
+            {"task_options": self.task_options} if self.task_options else {}
+        )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(task_dataset(self.task, self.seq_len, self.num_samples, self.seed, self.start_sample))
+        return self._loader(
+            task_dataset(self.task, self.seq_len, self.num_samples, self.seed, self.start_sample, self.task_options)
+        )
 
     def val_dataloader(self) -> DataLoader:
-        # A different seed stream from training: validation keys are never training keys.
-        return self._loader(task_dataset(self.task, self.seq_len, self.val_samples, self.seed + 1_000_003))
+        # A different seed stream from training: validation keys are never training keys. Validation windows are
+        # generated as an evaluation generates them (no training-only options).
+        options = evaluation_options(self.task_options)
+        return self._loader(
+            task_dataset(self.task, self.seq_len, self.val_samples, self.seed + 1_000_003, options=options)
+        )

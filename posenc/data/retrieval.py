@@ -9,9 +9,15 @@ its facts in it with delimiters the filler never uses, so nothing but the facts 
 - **vartrack** (RULER's variable tracking): ``num_chains`` chains ``#A=ddd#``, ``#B=A#``, ``#C=B#`` … of
   ``hops`` + 1 capital-letter variables, statements in order at random depths; the window ends ``?ddd:`` with one
   chain's value and the answer is every variable of that chain, in assignment order.
-- **assoc** (associative recall, as in the Zoology/MQAR benchmark): ``kk:vv,`` pairs (two lowercase letters, two
-  digits, distinct keys) fill the whole window, so longer windows hold more pairs; it ends with ``queries``
-  questions ``?kk:vv`` about keys from anywhere in the window, every answer scored.
+- **assoc**: multi-query associative recall (MQAR, Arora et al., 2024, "Zoology"), byte-sized. A block of
+  ``num_pairs`` pairs ``kv`` (a one-byte key, a lowercase letter, distinct; a value of ``value_len`` digits), a gap
+  of spaces, then ``num_queries`` queries ``kv`` for distinct keys of the block: each query repeats a key and its
+  value is the answer. One-byte keys make the lookup a single induction step, and every query answers, so a window
+  supervises ``num_queries × value_len`` bytes. The number of pairs is the same at every length: a longer window
+  only widens the gap, so the query–key distance is the variable a length changes (at length N every query is
+  N − 2 · num_pairs · (value_len + 1) to N − 2 positions after its key, value_len 1 and num_queries = num_pairs).
+  Training windows (``random_lead``) put a random share of the spaces before the block instead, so training sees
+  every distance from 2 up to the window.
 
 Samples are (inputs, targets) like passkey's: targets are ``IGNORE`` except on answer bytes, so a model trained on
 a task learns only the retrieval. Every sample is generated from a seeded generator: reproducible and endless.
@@ -20,7 +26,8 @@ a task learns only the retrieval. Every sample is generated from a seeded genera
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +36,7 @@ from torch.utils.data import Dataset
 
 from posenc.data.tasks import DIGITS, FILLER_ALPHABET, IGNORE, Sample, TaskDataset
 
+GAP = ord(" ")  # assoc's filler: a byte no key or value uses
 CAPITALS = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
 LOWERCASE = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
 
@@ -111,47 +119,105 @@ def vartrack_sample(
     return _masked_sample([(p, False) for p in pieces] + [(question, False), (answer, True)])
 
 
-def assoc_sample(length: int, rng: np.random.Generator, queries: int = 2) -> Sample:
-    """``kk:vv,`` pairs filling the window, then ``queries`` questions ``?kk:vv`` about keys anywhere in it."""
-    pair_len, question_len = 6, 6  # "kk:vv," and "?kk:vv"
-    num_pairs = (length + 1 - queries * question_len) // pair_len
-    if num_pairs < queries:
-        raise ValueError(f"assoc needs length ≥ {queries * (pair_len + question_len) - 1}, got {length}")
-    keys = _distinct(LOWERCASE, 2, num_pairs, rng)
-    values = [bytes(rng.choice(DIGITS, size=2)).decode() for _ in keys]
-    pad = rng.choice(FILLER_ALPHABET, size=length + 1 - num_pairs * pair_len - queries * question_len)
-    pieces = [(pad, False), (_bytes("".join(f"{k}:{v}," for k, v in zip(keys, values, strict=True))), False)]
-    for asked in rng.choice(num_pairs, size=queries, replace=False):
-        pieces += [(_bytes(f"?{keys[asked]}:"), False), (_bytes(values[asked]), True)]
-    return _masked_sample(pieces)
+def assoc_sample(
+    length: int,
+    rng: np.random.Generator,
+    num_pairs: int = 8,
+    num_queries: int = 8,
+    value_len: int = 1,
+    random_lead: bool = False,
+) -> Sample:
+    """MQAR: ``num_pairs`` pairs ``kv``, spaces, then ``num_queries`` queries ``kv``, each value scored."""
+    if not 1 <= num_pairs <= len(LOWERCASE):
+        raise ValueError(f"assoc num_pairs must be in 1..{len(LOWERCASE)} (one-byte keys), got {num_pairs}")
+    if not 1 <= num_queries <= num_pairs:
+        raise ValueError(
+            f"assoc num_queries must be in 1..num_pairs={num_pairs} (each key asked once), got {num_queries}"
+        )
+    if value_len < 1:
+        raise ValueError(f"assoc value_len must be ≥ 1, got {value_len}")
+    keys = rng.choice(LOWERCASE, size=num_pairs, replace=False)
+    values = rng.choice(DIGITS, size=(num_pairs, value_len))
+    block = np.concatenate([np.concatenate([[key], value]) for key, value in zip(keys, values, strict=True)])
+    asked = rng.choice(num_pairs, size=num_queries, replace=False)
+    filler_len = _check_room("assoc", len(block) + num_queries * (1 + value_len), length)
+    lead = int(rng.integers(filler_len + 1)) if random_lead else 0
+    pieces = [(np.full(lead, GAP), False), (block, False), (np.full(filler_len - lead, GAP), False)]
+    for index in asked:
+        pieces += [(keys[index : index + 1], False), (values[index], True)]
+    return _masked_sample([(p.astype(np.uint8), flag) for p, flag in pieces])
 
 
-RETRIEVAL_TASKS: dict[str, Callable[[int, np.random.Generator], Sample]] = {
+def chance_rates(task: str, options: Mapping[str, Any] | None = None) -> tuple[float, float]:
+    """(first answer byte, whole answer) accuracy of a uniform guess over the answer's alphabet."""
+    options = dict(options or {})
+    if task == "multikey":
+        first, answer_len = 1 / len(DIGITS), options.get("value_digits", 4)
+    elif task == "vartrack":
+        first, answer_len = 1 / len(CAPITALS), options.get("hops", 2) + 1
+    else:
+        first, answer_len = 1 / len(DIGITS), options.get("value_len", 1)
+    return first, first**answer_len
+
+
+RETRIEVAL_TASKS: dict[str, Callable[..., Sample]] = {  # generate(length, rng, **task_options)
     "multikey": multikey_sample,
     "vartrack": vartrack_sample,
     "assoc": assoc_sample,
 }
+TRAINING_ONLY_OPTIONS = ("random_lead",)  # options that shape training windows; evaluation never uses them
 
 
 class RetrievalDataset(Dataset):
-    """``num_samples`` samples of one retrieval task and length, each generated from (seed, index)."""
+    """``num_samples`` samples of one retrieval task and length, each generated from (seed, index).
 
-    def __init__(self, task: str, length: int, num_samples: int, seed: int, start: int = 0) -> None:
+    ``options`` are the generator's keyword arguments (the data config's ``task_options``), checked once here so
+    that a wrong name or size fails before training starts.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        length: int,
+        num_samples: int,
+        seed: int,
+        start: int = 0,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
         if task not in RETRIEVAL_TASKS:
             raise ValueError(f"unknown retrieval task {task!r}; available: {', '.join(RETRIEVAL_TASKS)}")
         self.generate = RETRIEVAL_TASKS[task]
+        self.options = dict(options or {})
         self.length, self.num_samples, self.seed, self.start = length, num_samples, seed, start
+        try:
+            self.generate(length, np.random.default_rng(0), **self.options)
+        except TypeError as err:
+            raise ValueError(f"data.task_options {sorted(self.options)} do not fit {task}: {err}") from None
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        sample = self.generate(self.length, np.random.default_rng([self.seed, self.start + index]))
+        sample = self.generate(self.length, np.random.default_rng([self.seed, self.start + index]), **self.options)
         return sample.inputs, sample.targets
 
 
-def task_dataset(task: str, length: int, num_samples: int, seed: int, start: int = 0) -> Dataset:
-    """The generated dataset of any synthetic task: a retrieval task here, or passkey / copy."""
+def evaluation_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The task options an evaluation generates with: the training ones minus those that shape training only."""
+    return {key: value for key, value in (options or {}).items() if key not in TRAINING_ONLY_OPTIONS}
+
+
+def task_dataset(
+    task: str,
+    length: int,
+    num_samples: int,
+    seed: int,
+    start: int = 0,
+    options: Mapping[str, Any] | None = None,
+) -> Dataset:
+    """The generated dataset of any synthetic task: a retrieval task here (with its options), or passkey / copy."""
     if task in RETRIEVAL_TASKS:
-        return RetrievalDataset(task, length, num_samples, seed, start)
+        return RetrievalDataset(task, length, num_samples, seed, start, options)
+    if options:
+        raise ValueError(f"data.task_options are for the retrieval tasks ({', '.join(RETRIEVAL_TASKS)}), not {task}")
     return TaskDataset(task, length, num_samples, seed, start)

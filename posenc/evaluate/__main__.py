@@ -44,10 +44,15 @@ def _main(cfg: DictConfig) -> None:
     problems = eval_problems(eval_cfg)
     if problems:
         raise RunError("; ".join(problems))
+    from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO, check_thresholds
     from posenc.evaluate.runner import evaluate_model, print_results, replace_outputs, scaling_tag
 
     try:
         scaling_tag(eval_cfg)  # half a scaling setting is refused before the model loads
+        check_thresholds(
+            float(eval_cfg.get("effective_ppl_ratio", DEFAULT_PPL_RATIO)),
+            float(eval_cfg.get("effective_acc_fraction", DEFAULT_ACC_FRACTION)),
+        )
     except ValueError as err:
         raise RunError(str(err)) from None
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device

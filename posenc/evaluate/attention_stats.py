@@ -13,7 +13,7 @@ queries at a time, so no more than ``max_scores`` scores exist at once whatever 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc.attention.eager import attention_weights
-from posenc.data.retrieval import task_dataset
+from posenc.data.retrieval import RETRIEVAL_TASKS, evaluation_options, task_dataset
 from posenc.encodings.base import PositionalEncoding
 from posenc.evaluate.plots import plot_heatmap_grid, plot_lines
 from posenc.probe import visit_layers
@@ -105,8 +105,17 @@ def mean_by_length(rows: list[dict[str, Any]], stat: str, layer: int | None = No
     return lengths, means
 
 
-def stats_windows(stream: np.ndarray | None, task: str | None, tokens: int, seed: int) -> Callable[[int], Tensor]:
-    """Inputs for the statistics at a length: about ``tokens`` tokens of held-out text, or of the trained task."""
+def stats_windows(
+    stream: np.ndarray | None,
+    task: str | None,
+    tokens: int,
+    seed: int,
+    task_options: Mapping[str, Any] | None = None,
+) -> Callable[[int], Tensor]:
+    """Inputs for the statistics at a length: about ``tokens`` tokens of held-out text, or of the trained task.
+
+    Task windows are generated with the training options, as the task's evaluation generates them.
+    """
 
     def windows(length: int) -> Tensor:
         count = max(1, tokens // length)
@@ -115,7 +124,8 @@ def stats_windows(stream: np.ndarray | None, task: str | None, tokens: int, seed
             return torch.from_numpy(np.asarray(stream[: count * length]).astype(np.int64)).view(count, length)
         if task is None:
             raise ValueError("attention statistics need held-out text or a synthetic task to read windows from")
-        dataset = task_dataset(task, length, count, seed)
+        options = evaluation_options(task_options) if task in RETRIEVAL_TASKS else None
+        dataset = task_dataset(task, length, count, seed, options=options)
         return torch.stack([dataset[index][0] for index in range(count)])
 
     return windows

@@ -1,21 +1,50 @@
 """Retrieval-task accuracy by length (multikey, vartrack, assoc; generators in ``posenc/data/retrieval.py``).
 
-Scored like passkey and copy: teacher-forced argmax on the answer bytes, a sample solved only when every answer
-byte is the argmax (exactly when greedy decoding would produce the whole answer); per-byte accuracy beside it.
-The same samples are drawn at a length for every model: generated from (seed, length, task).
+Scored by teacher-forced argmax on the answer bytes. Every answer of a window is scored on its own (assoc asks
+many per window; the others one): ``accuracy`` is the fraction of answers whose every byte is the argmax (exactly
+when greedy decoding would produce the whole answer), ``first_byte_accuracy`` the fraction whose first byte is
+(the retrieval itself, before any copying of the rest), ``token_accuracy`` the fraction of answer bytes. Each row
+carries the chance rates of a uniform guess over the answer alphabet beside them. The same samples are drawn at a
+length for every model: generated from (seed, length, task) with the task options the model was trained with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from posenc.data.retrieval import RETRIEVAL_TASKS
-from posenc.evaluate.tasks import _score_in_batches
+from posenc.data.retrieval import RETRIEVAL_TASKS, chance_rates, evaluation_options
+from posenc.data.tasks import IGNORE
+
+
+def answer_spans(targets: Tensor) -> list[tuple[int, int]]:
+    """(start, end) of every run of scored positions in one window's targets (L,): one run per answer."""
+    scored = (targets != IGNORE).tolist()
+    spans, start = [], None
+    for i, flag in enumerate([*scored, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+@torch.no_grad()
+def score_answers(model: nn.Module, inputs: Tensor, targets: Tensor) -> tuple[list[bool], list[bool], int, int]:
+    """Per answer in the batch (B, L): (all bytes right, first byte right); and (right bytes, scored bytes)."""
+    correct = (model(inputs).argmax(dim=-1) == targets).cpu()
+    exact, first = [], []
+    for row, window in zip(correct, targets.cpu(), strict=True):
+        for start, end in answer_spans(window):
+            exact.append(bool(row[start:end].all()))
+            first.append(bool(row[start]))
+    scored = targets != IGNORE
+    return exact, first, int((correct & scored.cpu()).sum()), int(scored.sum())
 
 
 @torch.no_grad()
@@ -27,17 +56,49 @@ def evaluate_retrieval(
     seed: int,
     tokens_per_batch: int = 16384,
     device: torch.device | str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Exact-match and per-byte answer accuracy of ``task`` at every length, ``samples`` samples each."""
+    """Answer accuracies of ``task`` at every length over ``samples`` windows each (see the module docstring)."""
     generate = RETRIEVAL_TASKS[task]
+    options = evaluation_options(options)
     device = device or next(model.parameters()).device
     task_index = list(RETRIEVAL_TASKS).index(task)
+    chance_first, chance_exact = chance_rates(task, options)
+    was_training = model.training
+    model.eval()
     rows = []
-    for length in lengths:
-        rng = np.random.default_rng([seed, length, task_index])
-        batch = [generate(length, rng) for _ in range(samples)]
-        exact, token = _score_in_batches(model, batch, length, tokens_per_batch, device)
-        rows.append({"task": task, "length": length, "samples": samples, "accuracy": exact, "token_accuracy": token})
+    try:
+        for length in lengths:
+            rng = np.random.default_rng([seed, length, task_index])
+            batch = [generate(length, rng, **options) for _ in range(samples)]
+            size = max(1, tokens_per_batch // length)
+            exact, first, right, scored = [], [], 0, 0
+            for start in range(0, samples, size):
+                chunk = batch[start : start + size]
+                inputs = torch.stack([s.inputs for s in chunk]).to(device)
+                targets = torch.stack([s.targets for s in chunk]).to(device)
+                chunk_exact, chunk_first, chunk_right, chunk_scored = score_answers(model, inputs, targets)
+                exact, first, right, scored = (
+                    exact + chunk_exact,
+                    first + chunk_first,
+                    right + chunk_right,
+                    scored + chunk_scored,
+                )
+            rows.append(
+                {
+                    "task": task,
+                    "length": length,
+                    "samples": samples,
+                    "answers": len(exact),
+                    "accuracy": float(np.mean(exact)),
+                    "first_byte_accuracy": float(np.mean(first)),
+                    "token_accuracy": right / scored,
+                    "chance_exact": chance_exact,
+                    "chance_first_byte": chance_first,
+                }
+            )
+    finally:
+        model.train(was_training)
     return rows
 
 
@@ -47,10 +108,12 @@ def evaluate_retrieval_tasks(
     trained_task: str | None,
     lengths_for: Callable[[Sequence[float]], list[int]],
     tokens_per_batch: int,
+    task_options: Mapping[str, Any] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """{task: rows} for every retrieval task enabled in ``eval_cfg`` (``auto``: the task the model trained on).
 
-    ``lengths_for(multiples)`` turns a task's length multiples into the lengths the model supports.
+    ``lengths_for(multiples)`` turns a task's length multiples into the lengths the model supports;
+    ``task_options`` (the training data's) size the trained task's samples, the other tasks take their defaults.
     """
     seed = int(eval_cfg.get("seed", 1234))
     out = {}
@@ -59,5 +122,8 @@ def evaluate_retrieval_tasks(
         enabled = options.get("enabled", "auto")
         if enabled is True or (enabled == "auto" and trained_task == task):
             lengths = lengths_for(options["multiples"])
-            out[task] = evaluate_retrieval(model, task, lengths, options["samples"], seed, tokens_per_batch)
+            generator_options = task_options if task == trained_task else None
+            out[task] = evaluate_retrieval(
+                model, task, lengths, options["samples"], seed, tokens_per_batch, options=generator_options
+            )
     return out

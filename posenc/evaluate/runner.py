@@ -24,6 +24,7 @@ from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.encodings.base import PositionalEncoding
 from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RESULTS_FILE
 from posenc.evaluate.attention_stats import attention_plots, attention_stats_by_length, attention_summary, stats_windows
+from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO, effective_lengths
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.retrieval import evaluate_retrieval_tasks
@@ -133,15 +134,22 @@ def _evaluate(
                 )
             else:
                 results["copy"] = evaluate_copy(model, task_lengths, options["samples"], seed, batch_tokens)
+    task_options = ((run_info.get("config") or {}).get("data") or {}).get("task_options")
     results |= evaluate_retrieval_tasks(
-        model, eval_cfg, task, lambda multiples: supported([int(m * train_len) for m in multiples], model), batch_tokens
+        model,
+        eval_cfg,
+        task,
+        lambda multiples: supported([int(m * train_len) for m in multiples], model),
+        batch_tokens,
+        task_options,
     )
     if eval_cfg.get("attention_stats"):
-        windows_for = stats_windows(stream, task, int(eval_cfg.get("attention_stats_tokens", 4096)), seed)
+        windows_for = stats_windows(stream, task, int(eval_cfg.get("attention_stats_tokens", 4096)), seed, task_options)
         stats_lengths = [n for n in supported(lengths, model) if stream is None or n < len(stream)]
         results["attention_stats"] = attention_stats_by_length(
             model, stats_lengths, windows_for, train_len, batch_tokens
         )
+    results["effective_length"] = effective_lengths(results)
     results["summary"] = summary_metrics(results)
     return results
 
@@ -171,8 +179,14 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
                     by_length.setdefault(row["length"], []).append(row[field])
             for length, accs in by_length.items():
                 out[f"{name}_{key}@{_multiple_tag(length / train_len)}"] = float(np.mean(accs))
+        for row in results.get(name, []):
+            if "first_byte_accuracy" in row:  # retrieval tasks: one row per length
+                out[f"{name}_first_byte@{_multiple_tag(row['length'] / train_len)}"] = row["first_byte_accuracy"]
     for (stat, length), value in attention_summary(results.get("attention_stats") or []).items():
         out[f"attn_{stat}@{_multiple_tag(length / train_len)}"] = value
+    for metric, length in (results.get("effective_length") or {}).items():
+        if length is not None:  # a summary holds numbers; no in-length figure means no value
+            out[f"effective_length/{metric}"] = length
     return out
 
 
@@ -321,6 +335,22 @@ def print_results(results: dict[str, Any]) -> None:
             print(f"{name} accuracy by length: {shown}; per-byte chance {CHANCE_PER_BYTE[name]:.2f}")
             if results.get("trained_task") != name:
                 print(f"  ({label} was not trained on {name}'s format: these figures measure the format, not recall)")
+            rows = [r for r in results[name] if "first_byte_accuracy" in r]
+            if rows:
+                chance = f"chance {rows[0]['chance_first_byte']:.3g}, exact {rows[0]['chance_exact']:.3g}"
+                firsts = ", ".join(f"{r['length'] / train_len:g}x {r['first_byte_accuracy']:.2f}" for r in rows)
+                print(f"{name} first answer byte by length ({chance}): {firsts}")
+    effective = results.get("effective_length")
+    if effective:
+        settings = results.get("eval") or {}
+        rule = (
+            f"ppl ≤ {settings.get('effective_ppl_ratio', DEFAULT_PPL_RATIO):g}× in-length, "
+            f"accuracy ≥ {settings.get('effective_acc_fraction', DEFAULT_ACC_FRACTION):g}× in-length, at every length"
+        )
+        print(
+            f"effective length ({rule}): "
+            + ", ".join(f"{metric} {'n/a' if n is None else n}" for metric, n in effective.items())
+        )
     for stat in ("sink", "distance"):
         values = {k: v for k, v in results["summary"].items() if k.startswith(f"attn_{stat}@")}
         if values:

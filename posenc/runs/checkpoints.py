@@ -36,7 +36,7 @@ def build_datamodule(config: Mapping[str, Any], num_samples: int) -> TextDataMod
         "seed": config["seed"],
     }
     if "task" in data:
-        return TaskDataModule(task=data["task"], **common)
+        return TaskDataModule(task=data["task"], task_options=data.get("task_options"), **common)
     return TextDataModule(
         corpus=data["corpus"], corpus_options=data.get("corpus_options"), cache_dir=data["cache_dir"], **common
     )

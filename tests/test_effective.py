@@ -1,0 +1,87 @@
+"""Effective length on hand-built results: the contiguous rule, its thresholds, and the cases with no answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from posenc.evaluate.effective import effective_lengths
+from posenc.evaluate.runner import summary_metrics
+
+
+def ppl_rows(*ppls: float | None, train_len: int = 64) -> list[dict]:
+    """Perplexity rows at 1×, 2×, 4×, … the training length (``None``: that length failed to evaluate)."""
+    return [
+        {"length": train_len * 2**i, "ppl": p, "error": None if p is not None else "too long"}
+        for i, p in enumerate(ppls)
+    ]
+
+
+def task_rows(task: str, *accuracies: float, train_len: int = 64, **fields: list[float]) -> list[dict]:
+    return [
+        {"task": task, "length": train_len * 2**i, "accuracy": a, **{k: v[i] for k, v in fields.items()}}
+        for i, a in enumerate(accuracies)
+    ]
+
+
+def test_perplexity_holds_until_the_first_length_past_the_ratio() -> None:
+    # ratios 1, 1.05, 1.10 (holds: ≤ 1.10), 1.12 (fails), then 1.0 again: contiguous, so 256
+    results = {"train_len": 64, "perplexity": ppl_rows(10.0, 10.5, 11.0, 11.2, 10.0)}
+    assert effective_lengths(results) == {"ppl": 256}
+    assert effective_lengths(results, ppl_ratio=1.15) == {"ppl": 1024}
+    assert effective_lengths(results, ppl_ratio=1.01) == {"ppl": 64}
+
+
+def test_a_recovery_after_a_failure_does_not_count() -> None:
+    results = {"train_len": 64, "copy": task_rows("copy", 1.0, 0.5, 0.95, 0.95)}
+    assert effective_lengths(results) == {"copy": 64}
+
+
+def test_task_accuracy_is_a_fraction_of_in_length() -> None:
+    # in-length 0.9: holds while ≥ 0.72; first-byte accuracy (in-length 1.0) holds while ≥ 0.8
+    rows = task_rows("assoc", 0.9, 0.8, 0.72, 0.5, first_byte_accuracy=[1.0, 0.9, 0.85, 0.79])
+    results = {"train_len": 64, "assoc": rows}
+    assert effective_lengths(results) == {"assoc": 256, "assoc_first_byte_accuracy": 256}
+    assert effective_lengths(results, acc_fraction=0.85) == {"assoc": 128, "assoc_first_byte_accuracy": 256}
+
+
+def test_depths_are_averaged_before_the_rule() -> None:
+    rows = [
+        {"task": "passkey", "length": n, "depth": d, "accuracy": a}
+        for n, d, a in [(64, 0.0, 1.0), (64, 1.0, 0.8), (128, 0.0, 1.0), (128, 1.0, 0.5), (256, 0.0, 0.6)]
+    ]
+    # means 0.9, 0.75 (≥ 0.72 holds), 0.6 (fails)
+    assert effective_lengths({"train_len": 64, "passkey": rows}) == {"passkey": 128}
+
+
+def test_no_in_length_figure_gives_none() -> None:
+    results = {
+        "train_len": 64,
+        "perplexity": ppl_rows(None, 10.0),  # in-length failed
+        "multikey": task_rows("multikey", 0.0, 0.0),  # never learned
+        "vartrack": task_rows("vartrack", 0.5, 0.5, train_len=128),  # no row at the training length
+    }
+    assert effective_lengths(results) == {"ppl": None, "multikey": None, "vartrack": None}
+
+
+def test_failed_lengths_and_shorter_lengths() -> None:
+    rows = [{"length": 32, "ppl": 30.0, "error": None}, *ppl_rows(10.0, 10.2, None, 10.0)]
+    assert effective_lengths({"train_len": 64, "perplexity": rows}) == {"ppl": 128}  # 32 ignored, 256 failed
+
+
+def test_thresholds_come_from_the_results_then_the_defaults() -> None:
+    results = {"train_len": 64, "perplexity": ppl_rows(10.0, 11.4), "eval": {"effective_ppl_ratio": 1.2}}
+    assert effective_lengths(results) == {"ppl": 128}
+    results["eval"] = {}
+    assert effective_lengths(results) == {"ppl": 64}
+
+
+@pytest.mark.parametrize(("ratio", "fraction", "message"), [(0.9, 0.8, "≥ 1"), (1.1, 0.0, "in \\(0, 1\\]")])
+def test_bad_thresholds_are_refused(ratio: float, fraction: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        effective_lengths({"train_len": 64}, ppl_ratio=ratio, acc_fraction=fraction)
+
+
+def test_summary_carries_the_lengths_it_has() -> None:
+    results = {"train_len": 64, "effective_length": {"ppl": 256, "passkey": None}}
+    summary = summary_metrics(results)
+    assert summary["effective_length/ppl"] == 256 and "effective_length/passkey" not in summary
