@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
 from posenc.attention.flex_learnable import supports
+from posenc.bench_compare import compare_cases, compare_markdown
 from posenc.compiling import compile_blocks, should_compile
 from posenc.config import CONF_DIR, to_container
 from posenc.encodings import build, scheme_class, stack_members
@@ -354,6 +355,8 @@ def markdown(results: dict[str, Any]) -> str:
             else:
                 cells += [_cell(row["forward_ms"], 1), _cell(row["forward_peak_mib"], 1)]
             lines.append("| " + " | ".join(cells) + " |")
+    if results.get("compare"):
+        lines += compare_markdown(results["compare"], lambda message: _failed(message, notes))
     if notes:
         lines += ["", "Failures:", ""] + [f"- [{number}] {message}" for message, number in notes.items()]
     return "\n".join(lines) + "\n"
@@ -368,6 +371,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "attention": attention_cases(cfg, device),
         "train_step": train_step_cases(cfg, device) if cfg.train_step.schemes else [],
         "long_context": long_context_cases(cfg, device),
+        "compare": compare_cases(cfg.compare, device) if cfg.compare.schemes else [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(dumps(results))

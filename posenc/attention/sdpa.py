@@ -1,9 +1,9 @@
 """torch's scaled_dot_product_attention: the flash / cuDNN kernels when there is no bias.
 
 With a bias, SDPA can only take it as a dense (Lq × Lk) mask, so it falls back to the memory-efficient kernel on
-CUDA (its CPU flash kernel takes masks); to keep memory bounded at long lengths the queries are processed in chunks of at most
-``max_mask_elements / Lk`` rows, so the mask never exceeds that size per head. The mask is computed in fp32 and
-cast to the activations' dtype, since SDPA requires them to match: under bf16 this rounds the bias (ALiBi
+CUDA (its CPU flash kernel takes masks); to keep memory bounded at long lengths the queries are processed in chunks
+of at most ``max_mask_elements / Lk`` rows, so the mask never exceeds that size per head. The mask is computed in
+fp32 and cast to the activations' dtype, since SDPA requires them to match: under bf16 this rounds the bias (ALiBi
 distances past 256 lose exactness), which is one reason ``auto`` prefers ``flex`` for biased schemes on GPU.
 
 A content-dependent bias (``adds_content_bias``: CoPE, DAPE, data-dependent ALiBi) is one (B, H, Lq, Lk) tensor per
