@@ -44,14 +44,21 @@ def build_pair(scheme: str, flags: dict[str, Any], cfg: DictConfig, length: int)
     """The decoder of posenc and that of x-transformers for ``scheme``, the same architecture on both sides."""
     xt = x_transformers_module()
     common = {"dim": cfg.dim, "depth": cfg.depth, "heads": cfg.heads}
+    head_dim = cfg.dim // cfg.heads
     posenc_model = Decoder(scheme, vocab_size=cfg.vocab_size, attention=cfg.attention, **common)
     x_model = xt.TransformerWrapper(
         num_tokens=cfg.vocab_size,
         max_seq_len=length,
         use_abs_pos_emb=False,
         tie_embedding=True,
+        # rotary_emb_dim: posenc rotates every dimension of a head, x-transformers half of them unless told.
         attn_layers=xt.Decoder(
-            **common, attn_dim_head=cfg.dim // cfg.heads, use_rmsnorm=True, ff_no_bias=True, **flags
+            **common,
+            attn_dim_head=head_dim,
+            rotary_emb_dim=head_dim,
+            use_rmsnorm=True,
+            ff_no_bias=True,
+            **flags,
         ),
     )
     return posenc_model, x_model
