@@ -1,6 +1,6 @@
 """``python -m posenc.bench``: what each positional scheme costs, measured against the no-bias limit in one run.
 
-Three measurements, all configured in ``conf/bench.yaml`` (defaults: the H100 anchor's shapes):
+Four measurements, all configured in ``conf/bench.yaml`` (defaults: the H100 anchor's shapes):
 
 - attention: for each length × scheme × backend, the forward and forward+backward median time, tokens/s, peak
   memory (CUDA: ``max_memory_allocated`` above what the inputs hold; CPU: not measured, "n/a"), and the ratio to
@@ -8,7 +8,8 @@ Three measurements, all configured in ``conf/bench.yaml`` (defaults: the H100 an
   rotation is part of the timed call, since RoPE and xPos pay for it in every layer;
 - a whole-model train step (forward, backward, AdamW) per scheme, in tokens/s and as a ratio to NoPE;
 - long context: a batch-1 attention forward of every relative scheme at ``long_context.length`` (64k by default),
-  reporting its time and memory, or the error (OOM) that stopped it.
+  reporting its time and memory, or the error (OOM) that stopped it;
+- on CPU, when ``compare.schemes`` names any, posenc's decoder against x-transformers' (``bench_compare.py``).
 
 Each attention length gets its own static compiled kernels, which is what a training run at that length compiles.
 Every case prints one line as it finishes (scheme, backend, length, ms, ratio), so a long GPU run shows progress;
