@@ -1,6 +1,6 @@
 """``python -m posenc.bench``: what each positional scheme costs, measured against the no-bias limit in one run.
 
-Three measurements, all configured in ``conf/bench.yaml`` (defaults: the shapes of docs/benchmarks.md's H100 reference):
+Four measurements, all configured in ``conf/bench.yaml`` (defaults: the shapes of docs/benchmarks.md's H100 reference):
 
 - attention: for each length × scheme × backend, the forward and forward+backward median time, tokens/s, peak
   memory (CUDA: ``max_memory_allocated`` above what the inputs hold; CPU: not measured, "n/a"), and the ratio to
@@ -8,7 +8,8 @@ Three measurements, all configured in ``conf/bench.yaml`` (defaults: the shapes 
   rotation is part of the timed call, since RoPE and xPos pay for it in every layer;
 - a whole-model train step (forward, backward, AdamW) per scheme, in tokens/s and as a ratio to NoPE;
 - long context: a batch-1 attention forward of every relative scheme at ``long_context.length`` (64k by default),
-  reporting its time and memory, or the error (OOM) that stopped it.
+  reporting its time and memory, or the error (OOM) that stopped it;
+- on CPU, when ``compare.schemes`` names any, posenc's decoder against x-transformers' (``bench_compare.py``).
 
 Each attention length gets its own static compiled kernels, which is what a training run at that length compiles.
 Every case prints one line as it finishes (scheme, backend, length, ms, ratio), so a long GPU run shows progress;
@@ -35,6 +36,7 @@ from omegaconf import DictConfig
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
 from posenc.attention.flex_learnable import supports
+from posenc.bench_compare import compare_cases, compare_markdown
 from posenc.compiling import compile_blocks, should_compile
 from posenc.config import CONF_DIR, to_container
 from posenc.encodings import build, scheme_class, stack_members
@@ -354,6 +356,8 @@ def markdown(results: dict[str, Any]) -> str:
             else:
                 cells += [_cell(row["forward_ms"], 1), _cell(row["forward_peak_mib"], 1)]
             lines.append("| " + " | ".join(cells) + " |")
+    if results.get("compare"):
+        lines += compare_markdown(results["compare"], lambda message: _failed(message, notes))
     if notes:
         lines += ["", "Failures:", ""] + [f"- [{number}] {message}" for message, number in notes.items()]
     return "\n".join(lines) + "\n"
@@ -368,6 +372,7 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "attention": attention_cases(cfg, device),
         "train_step": train_step_cases(cfg, device) if cfg.train_step.schemes else [],
         "long_context": long_context_cases(cfg, device),
+        "compare": compare_cases(cfg.compare, device) if cfg.compare.schemes else [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(dumps(results))

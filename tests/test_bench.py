@@ -79,6 +79,41 @@ def test_bench_reports_a_failure_as_a_result(tmp_path: Path) -> None:
     assert results["long_context"] == []
 
 
+COMPARE = [
+    "attention.lengths=[]",
+    "train_step.schemes=[]",
+    "long_context.length=null",
+    "compare.lengths=[16]",
+    "compare.batch_size=2",
+    "compare.dim=16",
+    "compare.heads=2",
+    "compare.depth=1",
+    "compare.warmup=0",
+    "compare.repeats=2",
+]
+
+
+def test_compare_with_x_transformers(tmp_path: Path) -> None:
+    pytest.importorskip("x_transformers")
+    schemes = ["alibi", "rope", "t5"]
+    results = run(_compose(*COMPARE, f"compare.schemes=[{','.join(schemes)}]"), tmp_path)
+    rows = {row["scheme"]: row for row in results["compare"]}
+    assert list(rows) == schemes
+    for row in rows.values():
+        assert row["posenc_ms"] > 0 and row["x_ms"] > 0 and row["ratio"] == row["posenc_ms"] / row["x_ms"]
+        assert row["posenc_tokens_per_s"] == pytest.approx(2 * 16 / row["posenc_ms"] * 1e3)
+    # The same decoder on both sides: position-free schemes have exactly the same parameter count.
+    assert rows["alibi"]["posenc_params"] == rows["alibi"]["x_params"]
+    assert rows["rope"]["x_flags"]["attn_flash"] is True
+    assert "### posenc against x-transformers" in (tmp_path / "bench.md").read_text()
+
+
+def test_compare_without_x_transformers_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "x_transformers", None)  # import fails as if not installed
+    with pytest.raises(SystemExit, match="pip install x-transformers"):
+        run(_compose(*COMPARE, "compare.schemes=[alibi]"), tmp_path)
+
+
 @pytest.mark.slow
 def test_bench_command_line(tmp_path: Path) -> None:
     overrides = [o for o in TINY if not o.startswith(("attention.schemes", "train_step.schemes"))]

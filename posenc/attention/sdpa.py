@@ -1,19 +1,28 @@
 """torch's scaled_dot_product_attention: the flash / cuDNN kernels when there is no bias.
 
-With a bias, SDPA can only take it as a dense (Lq × Lk) mask, so it falls back to the memory-efficient or
-math kernels; to keep memory bounded at long lengths the queries are processed in chunks of at most
-``max_mask_elements / Lk`` rows, so the mask never exceeds that size per head. The mask is computed in fp32 and
-cast to the activations' dtype, since SDPA requires them to match: under bf16 this rounds the bias (ALiBi
+With a bias, SDPA can only take it as a dense (Lq × Lk) mask, so it falls back to the memory-efficient kernel on
+CUDA (its CPU flash kernel takes masks); to keep memory bounded at long lengths the queries are processed in chunks
+of at most ``max_mask_elements / Lk`` rows, so the mask never exceeds that size per head. The mask is computed in
+fp32 and cast to the activations' dtype, since SDPA requires them to match: under bf16 this rounds the bias (ALiBi
 distances past 256 lose exactness), which is one reason ``auto`` prefers ``flex`` for biased schemes on GPU.
 
 A content-dependent bias (``adds_content_bias``: CoPE, DAPE, data-dependent ALiBi) is one (B, H, Lq, Lk) tensor per
 batch, so its query chunks are sized by ``MAX_CONTENT_ELEMENTS`` over batch and heads together; each chunk's bias
 is computed from that chunk's queries and the keys it may see (the scheme's rows need nothing else).
+
+Every mask is handed over 4-D, (1, H, Lq, Lk) or (B, H, Lq, Lk): on CPU, SDPA sends a 3-D mask to its math kernel
+(scores materialised, a safe softmax) and a 4-D one to its flash kernel, several times faster; CUDA's
+memory-efficient kernel takes the same broadcastable 4-D mask.
+
+A fixed bias (the scheme gives a ``bias_key``) is the same in every layer whose scheme has that key and in every
+window of the same positions, so its masked form is built once and kept in ``MASKS``, a small cache bounded in bytes:
+the layers of one forward and the windows of a long evaluation reuse it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +33,51 @@ from posenc.encodings.base import PositionalEncoding
 
 MAX_MASK_ELEMENTS = 1 << 24  # per head: 16M entries, 64 MiB in fp32
 MAX_CONTENT_ELEMENTS = 1 << 22  # over batch and heads: 16 MiB per fp32 temporary (DAPE's MLP holds 8-32 of them)
+MAX_CACHED_BYTES = 1 << 28  # 256 MiB of kept masks: an 8-head fp32 mask up to L = 2048, or a few shorter ones
+
+
+class MaskCache:
+    """The most recently used causal bias masks, by what determines them; the oldest go first past ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.masks: OrderedDict[Hashable, Tensor] = OrderedDict()
+
+    def get(self, key: Hashable | None, build: Callable[[], Tensor]) -> Tensor:
+        """The mask kept under ``key``, else ``build()`` (kept when it fits); ``key=None`` always builds."""
+        if key is None:
+            return build()
+        if key in self.masks:
+            self.masks.move_to_end(key)
+            return self.masks[key]
+        mask = build()
+        size = mask.numel() * mask.element_size()
+        if size <= self.max_bytes:
+            while self.masks and size + sum(m.numel() * m.element_size() for m in self.masks.values()) > self.max_bytes:
+                self.masks.popitem(last=False)
+            self.masks[key] = mask
+        return mask
+
+    def clear(self) -> None:
+        self.masks.clear()
+
+
+MASKS = MaskCache(MAX_CACHED_BYTES)
+
+
+def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Hashable | None:
+    """What a causal bias mask depends on (the scheme's ``bias_key``, the positions, the dtype), or ``None``.
+
+    ``None`` also under torch.compile: the key reads tensor values on the host, and a compiled graph fuses the bias
+    into its own kernels anyway.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    scheme = encoding.bias_key()
+    if scheme is None:
+        return None
+    positions = tuple(pos.cpu().numpy().tobytes() for pos in (q_pos, k_pos))
+    return scheme, positions, str(q_pos.device), dtype
 
 
 @register_backend("sdpa", query_suffix=True)
@@ -37,29 +91,41 @@ def sdpa_attention(
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         causal = k_pos[None, :] <= q_pos[:, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
-    return sdpa_with_bias(q, k, v, encoding.bias, q_pos, k_pos)
+    return sdpa_with_bias(q, k, v, encoding.bias, q_pos, k_pos, key=mask_key(encoding, q_pos, k_pos, q.dtype))
+
+
+def causal_mask(bias: Tensor, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor:
+    """The fp32 bias (H, Lq, Lk), future keys at -inf, as SDPA's fast kernels take it: (1, H, Lq, Lk) in ``dtype``."""
+    return bias.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf")).to(dtype)[None]
 
 
 def sdpa_with_bias(
-    q: Tensor, k: Tensor, v: Tensor, bias: Callable[[Tensor, Tensor], Tensor], q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Callable[[Tensor, Tensor], Tensor],
+    q_pos: Tensor,
+    k_pos: Tensor,
+    key: Hashable | None = None,
 ) -> Tensor:
-    """Causal SDPA with ``bias(q_pos, k_pos)`` (H, Lq, Lk) as a dense mask, built one query chunk at a time."""
+    """Causal SDPA with ``bias(q_pos, k_pos)`` (H, Lq, Lk) as a dense mask, built one query chunk at a time.
+
+    With a ``key`` (see ``mask_key``), a mask built in one piece is kept in ``MASKS`` and reused; chunked masks are
+    not kept, since together they are the whole (H, L, L) bias the chunking exists to avoid.
+    """
     self_attention = q_pos is k_pos
     rows = max(1, MAX_MASK_ELEMENTS // k.shape[-2])
     if q.shape[-2] <= rows:  # one chunk: no loop, so torch.compile keeps the length symbolic
-        mask = bias(q_pos, k_pos).masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype))
+        mask = MASKS.get(key, lambda: causal_mask(bias(q_pos, k_pos), q_pos, k_pos, q.dtype))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     chunks = []
     for start in range(0, q.shape[-2], rows):
         end = start + rows
         # With shared positions, keys after the chunk's last query are all masked: leave them out.
         keys = slice(0, end) if self_attention else slice(None)
         chunk_q_pos, chunk_k_pos = q_pos[start:end], k_pos[keys]
-        mask = bias(chunk_q_pos, chunk_k_pos)  # (H, rows, keys) fp32
-        mask = mask.masked_fill(chunk_k_pos[None, None, :] > chunk_q_pos[None, :, None], float("-inf"))
-        chunks.append(
-            F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, keys], v[:, :, keys], attn_mask=mask.to(q.dtype))
-        )
+        mask = causal_mask(bias(chunk_q_pos, chunk_k_pos), chunk_q_pos, chunk_k_pos, q.dtype)  # (1, H, rows, keys)
+        chunks.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, keys], v[:, :, keys], attn_mask=mask))
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 

@@ -36,7 +36,7 @@ one atomic add per score, which makes its backward hundreds of times slower than
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -129,6 +129,33 @@ class PositionalEncoding(nn.Module):
     def distance_only(self) -> bool:
         """True when the bias is a function of ``i - j`` alone, so ``distance_bias`` describes it fully."""
         return type(self).distance_bias is not PositionalEncoding.distance_bias
+
+    def bias_key(self) -> Hashable | None:
+        """Everything ``bias`` depends on besides the positions, as a hashable value; ``None`` when it must be rebuilt.
+
+        Equal keys mean equal biases, so a backend may build the dense bias once and reuse it for every layer whose
+        scheme has the same key and for every window of the same positions. The key holds the values of every tensor
+        and every plain setting of the scheme and its submodules: an optimiser step, ``constrain_``, a loaded
+        checkpoint or a new setting changes the key, so a reused bias never goes stale, and two different schemes
+        (or two layers with different parameters) never share one. There is no key for a content-dependent bias (it
+        reads q and k), nor for a learnable one while autograd records (each layer's bias must carry its own
+        gradient); under ``no_grad`` a learnable bias is a constant like any other.
+        """
+        if self.adds_content_bias or not self.adds_bias:
+            return None
+        if self.learnable_bias and torch.is_grad_enabled():
+            return None
+        parts = []
+        for module in self.modules():
+            plain = (bool, int, float, str, type(None))
+            settings = tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, plain)))
+            tensors = tuple(
+                (name, str(t.dtype), tuple(t.shape), t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
+                for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+                if t is not None
+            )
+            parts.append((type(module), settings, tensors))
+        return tuple(parts)
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         """Return ``x`` (B, L, dim) with absolute position information for positions ``pos`` (L,) added."""
