@@ -282,7 +282,11 @@ def test_task_training_is_scored_on_the_task(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "perplexity" not in results
     assert sorted({row["length"] for row in results["passkey"]}) == [16, 32]
-    assert set(summary["eval"]) == {"passkey_acc@1x", "passkey_acc@2x", "passkey_byte_acc@1x", "passkey_byte_acc@2x"}
+    figures = {key for key in summary["eval"] if not key.startswith("effective_length/")}
+    assert figures == {"passkey_acc@1x", "passkey_acc@2x", "passkey_byte_acc@1x", "passkey_byte_acc@2x"}
+    effective = set(summary["eval"]) - figures  # a metric whose in-length figure is 0 has no effective length
+    assert effective <= {"effective_length/passkey", "effective_length/passkey_token_accuracy"}
+    assert set(results["effective_length"]) == {"passkey", "passkey_token_accuracy"}
 
 
 def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:
