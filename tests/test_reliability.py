@@ -97,7 +97,8 @@ def test_report_pools_only_runs_that_differ_in_their_seed(tmp_path: Path) -> Non
     assert any("data=text" in c for c in columns), columns
     assert any("rope_scaling=yarn" in c for c in columns), columns
     assert "differ only in their seed" in markdown
-    assert "11.00 ± 1.41" in markdown  # the two seeds of one configuration, pooled
+    # the two seeds of one configuration (10, 12), pooled: 95% t half-width t_{0.975,1} · s/√2 = 12.706 · 1.414/1.414
+    assert "11.00 ± 12.71" in markdown
 
 
 def test_report_reads_an_older_runs_config_and_fills_its_defaults(tmp_path: Path) -> None:

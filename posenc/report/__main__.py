@@ -24,6 +24,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="count runs whose training stopped before trainer.max_steps (as columns of their own)",
     )
+    parser.add_argument(
+        "--paired",
+        nargs=2,
+        metavar=("A", "B"),
+        help="add a paired comparison (matched by seed) of perplexity between columns A and B",
+    )
     args = parser.parse_args(argv)
     if not args.paths and not args.wandb:
         parser.error("give run/sweep directories, or --wandb ENTITY/PROJECT")
@@ -37,7 +43,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         results += results_from_wandb(args.wandb, args.group)
     first = Path(args.paths[0]) if args.paths else None
     out_dir = args.out or (first if first is not None and first.is_dir() else Path("report"))
-    print(build_report(results, out_dir, make_plots=not args.no_plots, include_unfinished=args.include_unfinished))
+    print(
+        build_report(
+            results,
+            out_dir,
+            make_plots=not args.no_plots,
+            include_unfinished=args.include_unfinished,
+            paired=tuple(args.paired) if args.paired else None,
+        )
+    )
     print(f"wrote {out_dir / 'report.md'}")
 
 

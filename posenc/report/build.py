@@ -20,6 +20,9 @@ from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.report.attention import attention_tables
 from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
+from posenc.report.cost import cost_plots_of
+from posenc.report.effective import effective_tables
+from posenc.report.paired import paired_section
 from posenc.report.perplexity import group_runs, perplexity_tables
 from posenc.report.plots import attention_plots, perplexity_plots, task_plots
 from posenc.report.tasks import task_tables
@@ -47,21 +50,30 @@ SECTIONS: list[Callable[[Results, Appendix], list[str]]] = [
     _text(lambda results, appendix: task_tables(results, appendix=appendix)),
     _text(lambda results, appendix: task_tables(results, tuple(RETRIEVAL_TASKS), appendix)),
     _text(attention_tables),
+    _text(effective_tables),
 ]
 FIGURES: list[Callable[[Results, Path], list[Path]]] = [
     lambda results, out_dir: perplexity_plots(group_runs(results), out_dir),
     task_plots,
     lambda results, out_dir: task_plots(results, out_dir, tuple(RETRIEVAL_TASKS)),
     attention_plots,
+    cost_plots_of,
 ]
 
 
-def build_report(results: Results, out_dir: Path, make_plots: bool = True, include_unfinished: bool = False) -> str:
+def build_report(
+    results: Results,
+    out_dir: Path,
+    make_plots: bool = True,
+    include_unfinished: bool = False,
+    paired: tuple[str, str] | None = None,
+) -> str:
     """Write report.md (and plots) to ``out_dir``; return the markdown.
 
     Failed runs are listed apart and never counted. Unfinished runs (their weights stopped before
     ``trainer.max_steps``) are listed apart too, unless ``include_unfinished``: then they are columns of their
-    own, since their steps trained are part of their identity.
+    own, since their steps trained are part of their identity. ``paired`` (two column labels) adds their paired
+    comparison, and refuses with one line when their seeds do not match.
     """
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
@@ -93,6 +105,8 @@ def build_report(results: Results, out_dir: Path, make_plots: bool = True, inclu
     appendix = Appendix()
     for section in SECTIONS:
         sections += section(results, appendix)
+    if paired is not None:
+        sections += paired_section(results, *paired)
     images = [image for figure in FIGURES for image in figure(results, out_dir)] if make_plots else []
     if images:
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from posenc.evaluate.stats import Interval, overlaps_best, t_interval
 from posenc.identity import identity
 
 Key = tuple[int, str, int | None]  # (train_len, mode, stride)
@@ -35,6 +36,45 @@ def cell(values: Sequence[float | None], digits: int = 2) -> str:
     if n == 0:
         return "—"
     return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+BEST, NOT_SEPARATED = "◆", "≈"
+MARKS_LEGEND = (
+    f"Cells are the mean over seeds ± the half-width of its 95% Student-t interval (n seeds in the column header; "
+    f"a column of one seed shows its mean alone: one seed gives no interval). {BEST} marks the best mean at a "
+    f"length, {NOT_SEPARATED} a cell whose interval overlaps the best one's (the seeds cannot tell the two apart); "
+    "cells without a mark are separated from the best, or have no interval to compare."
+)
+
+
+def interval(values: Sequence[float | None]) -> Interval | None:
+    """The Student-t interval over the finite values (one per seed), ``None`` when there is none."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return t_interval(finite) if finite else None
+
+
+def marked_cells(
+    by_label: dict[str, Sequence[float | None]], digits: int = 2, higher_is_better: bool = False
+) -> dict[str, str]:
+    """{column: ``mean ± half-width`` and its mark} for one row, so the reader sees which cells the seeds separate.
+
+    A cell's own n is shown only where it differs from its column's (a length that failed for some seeds).
+    """
+    intervals = {label: interval(values) for label, values in by_label.items()}
+    present = {label: iv for label, iv in intervals.items() if iv is not None}
+    marks = overlaps_best(present, higher_is_better)
+    out = {}
+    for label, iv in intervals.items():
+        if iv is None:
+            out[label] = "—"
+            continue
+        text = f"{iv.mean:.{digits}f}" + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}f}")
+        if iv.n != len(by_label[label]):
+            text += f" (n={iv.n})"
+        best = (max if higher_is_better else min)(present, key=lambda name: present[name].mean)
+        mark = BEST if label == best else NOT_SEPARATED if marks.get(label) else ""
+        out[label] = f"{text} {mark}".rstrip()
+    return out
 
 
 def order(labels: Iterable[str]) -> list[str]:

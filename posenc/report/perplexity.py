@@ -6,7 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from posenc.identity import columns
-from posenc.report.common import Appendix, Columns, Key, cell, order, table_head
+from posenc.report.common import MARKS_LEGEND, Appendix, Columns, Key, marked_cells, order, table_head
 
 
 def group_runs(results: list[dict[str, Any]]) -> dict[Key, Columns]:
@@ -43,18 +43,18 @@ def perplexity_tables(key: Key, by_label: Columns, appendix: Appendix | None = N
     out = [
         f"## {title}",
         "",
-        f"Perplexity on held-out text, mean ± std over seeds; {', '.join(map(str, tokens))} tokens scored at every "
+        f"Perplexity on held-out text; {', '.join(map(str, tokens))} tokens scored at every "
         "length (the same tokens), so lengths are comparable. Each column pools runs whose settings differ only in "
-        "their seed (n runs); runs that differ in anything else are separate columns named by the difference.",
+        "their seed (n runs); runs that differ in anything else are separate columns named by the difference. "
+        + MARKS_LEGEND,
         "",
         *head,
     ]
     ratio_rows = []
     for length in lengths:
-        cells, ratios = [], []
-        for label in labels:
-            cells.append(cell([value(run, length, "ppl") for run in by_label[label]]))
-            ratios.append(cell([value(run, length, "ratio") for run in by_label[label]], digits=3))
+        ppl = marked_cells({label: [value(run, length, "ppl") for run in by_label[label]] for label in labels})
+        ratio = {label: [value(run, length, "ratio") for run in by_label[label]] for label in labels}
+        cells, ratios = [ppl[label] for label in labels], list(marked_cells(ratio, digits=3).values())
         out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
         ratio_rows.append(f"| {length} | {length / train_len:g} | " + " | ".join(ratios) + " |")
     out += ["", "Ratio to the in-length (1×) perplexity of the same run (1.0 = no degradation):", "", *head]

@@ -1,0 +1,129 @@
+"""Cost against extrapolation in one picture: each column a point, training speed across, length degradation up.
+
+x is the column's training throughput (tokens per second of its runs, mean over seeds) relative to NoPE's in the
+same report, the scheme that adds no work; without a NoPE column, relative to the fastest column, and the axis
+says so. y is the column's perplexity ratio at the largest evaluated length to its in-length perplexity (log
+scale, 1.0 kept in view), with its 95% Student-t interval over seeds as error bars. A run's throughput is the
+``tokens_per_sec`` of its ``run.json`` where recorded, else its tokens over its ``train_seconds`` (wall time of
+the training call, its validation and end-of-training evaluation included, so slower than the logged
+``train/tokens_per_sec``; every run of a report is measured the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from posenc.evaluate import RATIO_MIN_SPAN
+from posenc.report.common import Columns, Key, interval, order, run_dir
+from posenc.report.perplexity import group_runs, value
+from posenc.runs import RUN_FILE
+
+REFERENCE = "nope"
+
+
+def throughput(run: dict[str, Any]) -> float | None:
+    """Training tokens per second recorded by the run (``run.json``), ``None`` where it recorded none."""
+    if not run.get("_source"):
+        return None
+    try:
+        record = json.loads((Path(run_dir(run)) / RUN_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if record.get("tokens_per_sec"):
+        return float(record["tokens_per_sec"])
+    tokens, seconds = record.get("tokens"), record.get("train_seconds")
+    return float(tokens) / float(seconds) if tokens and seconds else None
+
+
+def cost_points(by_label: Columns) -> tuple[list[dict[str, Any]], str]:
+    """The points of one group, and what x is relative to (``NoPE`` or ``the fastest column``).
+
+    Each point: label, relative throughput, the ratio's mean, half-width (``None`` for one seed) and n, and the
+    length it was read at. Columns without a recorded throughput or a ratio at the largest length are left out.
+    """
+    lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
+    if not lengths:
+        return [], ""
+    longest = lengths[-1]
+    speeds: dict[str, float] = {}
+    for label, runs in by_label.items():
+        measured = [speed for speed in map(throughput, runs) if speed is not None]
+        if measured:
+            speeds[label] = statistics.fmean(measured)
+    if not speeds:
+        return [], ""
+    reference = REFERENCE if REFERENCE in speeds else max(speeds, key=speeds.__getitem__)
+    against = "NoPE" if reference == REFERENCE else f"the fastest column ({reference}; no NoPE column)"
+    points = []
+    for label in order(speeds):
+        ratio = interval([value(run, longest, "ratio") for run in by_label[label]])
+        if ratio is None:
+            continue
+        points.append(
+            {
+                "label": label,
+                "throughput": speeds[label] / speeds[reference],
+                "ratio": ratio.mean,
+                "half_width": ratio.half_width,
+                "n": ratio.n,
+                "length": longest,
+            }
+        )
+    return points, against
+
+
+def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
+    """One PNG per (training length, mode): each column a point with its seed interval as an error bar."""
+    from posenc.evaluate.plots import line_figure, plt  # matplotlib only when plotting
+
+    images = []
+    for (train_len, mode, stride), by_label in sorted(groups.items(), key=lambda item: str(item[0])):
+        points, against = cost_points(by_label)
+        if not points:
+            continue
+        longest = points[0]["length"]
+        ends = [p["ratio"] + sign * (p["half_width"] or 0.0) for p in points for sign in (-1, 1)]
+        fig, ax = line_figure(
+            {p["label"]: ([p["throughput"]], [p["ratio"]], None) for p in points},
+            f"cost vs extrapolation (trained at L={train_len}, {mode}; ratio at {longest} = {longest / train_len:g}×)",
+            f"training throughput relative to {against}",
+            f"perplexity ratio at {longest / train_len:g}× vs 1× (95% t interval over seeds)",
+            logx=False,
+            logy=True,
+            include=(1.0, *ends),
+            min_span=RATIO_MIN_SPAN,
+        )
+        for line, point in zip(ax.get_lines(), points, strict=False):
+            error = [[point["half_width"] or 0.0], [point["half_width"] or 0.0]]
+            ax.errorbar([point["throughput"]], [point["ratio"]], yerr=error, color=line.get_color(), capsize=4)
+        ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        suffix = f"L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
+        path = out_dir / f"cost_vs_extrapolation_{suffix}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        images.append(path)
+    return images
+
+
+def cost_plots_of(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """``cost_plots`` over the report's language-modelling groups (a ``build.FIGURES`` entry)."""
+    return cost_plots(group_runs(results), out_dir)
+
+
+def log_cost_scatter(results: list[dict[str, Any]], run: Any) -> None:
+    """The same points as a ``wandb.plot.scatter`` per group, logged to the active W&B ``run``."""
+    import wandb
+
+    for (train_len, mode, stride), by_label in group_runs(results).items():
+        points, against = cost_points(by_label)
+        if not points:
+            continue
+        fields = ["label", "throughput", "ratio", "half_width", "n", "length"]
+        table = wandb.Table(columns=fields, data=[[p[f] for f in fields] for p in points])
+        key = f"report/cost_vs_extrapolation_L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
+        title = f"ratio at {points[0]['length']} vs throughput relative to {against}"
+        run.log({key: wandb.plot.scatter(table, "throughput", "ratio", title=title)})
