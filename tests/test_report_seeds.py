@@ -1,0 +1,153 @@
+"""The report's seed statistics, effective-length table, cost-vs-extrapolation points and paired comparison.
+
+Every expected figure is computed by hand from the hand-built run directories below: three schemes × three seeds
+trained at L=32 and evaluated at 32 and 64, each with a ``run.json`` giving its tokens and training seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posenc.report import build_report, find_results
+from posenc.report.cost import cost_points
+from posenc.report.paired import paired_section
+from posenc.report.perplexity import group_runs
+
+# {scheme: ([ppl at 32 per seed], [ppl at 64 per seed], tokens per second)}
+RUNS = {
+    "nope": ([10.0, 12.0, 14.0], [40.0, 44.0, 48.0], 1000.0),
+    "alibi": ([10.0, 11.0, 12.0], [20.0, 21.0, 22.0], 900.0),
+    "rope": ([11.0, 12.0, 13.0], [22.0, 24.0, 26.0], 800.0),
+}
+
+
+def _run(root: Path, label: str, seed: int, ppl: tuple[float, float], speed: float, **extra) -> Path:
+    folder = root / f"{label}_{seed}"
+    rows = [
+        {"length": 32 * m, "mode": "nonoverlap", "stride": None, "tokens": 2048, "loss": math.log(p), "ppl": p,
+         "bpb": 1.0, "error": None, "multiple": m, "ratio": p / ppl[0]}
+        for m, p in zip((1, 2), ppl, strict=True)
+    ]  # fmt: skip
+    result = {
+        "label": label,
+        "train_len": 32,
+        "seed": seed,
+        "eval": {"mode": "nonoverlap", "stride": None, "multiples": [1, 2]},
+        "perplexity": rows,
+        "loss_by_position": {},
+        **extra,
+    }
+    (folder / "eval").mkdir(parents=True)
+    (folder / "eval" / "results.json").write_text(json.dumps(result))
+    (folder / "run.json").write_text(json.dumps({"steps": 10, "tokens": 10 * speed, "train_seconds": 10.0}))
+    return folder
+
+
+def _sweep(root: Path, schemes: tuple[str, ...] = ("nope", "alibi", "rope"), **extra_by_run) -> Path:
+    for label in schemes:
+        short, long, speed = RUNS[label]
+        for seed in range(3):
+            _run(root, label, seed, (short[seed], long[seed]), speed, **extra_by_run.get(f"{label}_{seed}", {}))
+    return root
+
+
+def _row(markdown: str, length: int, which: int = 0) -> list[str]:
+    rows = [line for line in markdown.splitlines() if line.startswith(f"| {length} | ")]
+    return [cell.strip() for cell in rows[which].strip("|").split("|")[2:]]
+
+
+def test_cells_show_the_student_t_interval_and_mark_cells_not_separated_from_the_best(tmp_path: Path) -> None:
+    markdown = build_report(find_results([_sweep(tmp_path / "runs")]), tmp_path / "out", make_plots=False)
+    assert "95% Student-t interval" in markdown and "◆ marks the best mean" in markdown
+    # columns in registry order: alibi, nope, rope. Half-width t_{0.975,2} · s/√3 with t_{0.975,2} = 4.3027.
+    alibi, nope, rope = _row(markdown, 64)
+    assert alibi == f"21.00 ± {4.3027 * 1 / math.sqrt(3):.2f} ◆" == "21.00 ± 2.48 ◆"  # the best: lowest mean
+    assert rope == "24.00 ± 4.97 ≈"  # [19.03, 28.97] overlaps alibi's [18.52, 23.48]
+    assert nope == "44.00 ± 9.94"  # [34.06, 53.94]: separated from the best, no mark
+    alibi, nope, rope = _row(markdown, 32)
+    assert alibi == "11.00 ± 2.48 ◆" and nope == "12.00 ± 4.97 ≈" and rope == "12.00 ± 2.48 ≈"
+
+
+def test_a_single_seed_column_shows_its_mean_alone_and_no_mark_against_an_interval(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    _sweep(root, ("alibi",))
+    _run(root, "rope", 0, (11.0, 20.5), 800.0)  # one seed, mean below alibi's: the best, but without an interval
+    markdown = build_report(find_results([root]), tmp_path / "out", make_plots=False)
+    alibi, rope = _row(markdown, 64)
+    assert rope == "20.50 ◆" and alibi == "21.00 ± 2.48"  # alibi's overlap with a one-seed best is unknown
+    assert "one seed gives no interval" in markdown
+
+
+def test_effective_length_table_pools_recorded_and_computed_lengths(tmp_path: Path) -> None:
+    # alibi seed 0 recorded 64 (the report reads it as recorded); every other run has no record, so the rule
+    # computes it: every ratio at 64 is ≥ 1.69 > 1.10, so 32.
+    root = _sweep(tmp_path / "runs", alibi_0={"effective_length": {"ppl": 64}})
+    markdown = build_report(find_results([root]), tmp_path / "out", make_plots=False)
+    assert "## Effective length, trained at L=32" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| ppl | "))
+    alibi, nope, rope = (cell.strip() for cell in row.strip("|").split("|")[1:])
+    assert alibi == "32 [32–64] (n=3)" and nope == "32 (n=3)" and rope == "32 (n=3)"
+
+
+def test_cost_points_are_throughput_relative_to_nope_and_the_ratio_at_the_longest_length(tmp_path: Path) -> None:
+    results = find_results([_sweep(tmp_path / "runs")])
+    (by_label,) = group_runs(results).values()
+    points, against = cost_points(by_label)
+    assert against == "NoPE"
+    by_name = {p["label"]: p for p in points}
+    assert by_name["alibi"]["throughput"] == pytest.approx(0.9) and by_name["rope"]["throughput"] == pytest.approx(0.8)
+    ratios = [20 / 10, 21 / 11, 22 / 12]  # alibi's per-seed ratio at 64
+    mean = sum(ratios) / 3
+    sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / 2)
+    assert by_name["rope"]["ratio"] == pytest.approx(2.0) and by_name["rope"]["half_width"] == pytest.approx(0.0)
+    assert by_name["alibi"]["ratio"] == pytest.approx(mean)
+    assert by_name["alibi"]["half_width"] == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-5)
+    assert {p["n"] for p in points} == {3} and {p["length"] for p in points} == {64}
+    build_report(results, tmp_path / "out")
+    assert (tmp_path / "out" / "cost_vs_extrapolation_L32_nonoverlap.png").stat().st_size > 0
+    assert (
+        "![cost_vs_extrapolation_L32_nonoverlap](cost_vs_extrapolation_L32_nonoverlap.png)"
+        in (tmp_path / "out" / "report.md").read_text()
+    )
+
+
+def test_without_nope_throughput_is_relative_to_the_fastest_and_says_so(tmp_path: Path) -> None:
+    (by_label,) = group_runs(find_results([_sweep(tmp_path / "runs", ("alibi", "rope"))])).values()
+    points, against = cost_points(by_label)
+    assert "fastest column (alibi" in against and "no NoPE" in against
+    assert [p["throughput"] for p in points] == pytest.approx([1.0, 800 / 900])
+
+
+def test_paired_comparison_matches_seeds_and_gives_the_t_interval_and_p(tmp_path: Path) -> None:
+    lines = paired_section(find_results([_sweep(tmp_path / "runs")]), "alibi", "rope")
+    row = next(line for line in lines if line.startswith("| 64 | "))
+    # differences alibi − rope per seed: −2, −3, −4 → mean −3, s = 1, half-width 4.3027/√3 = 2.484;
+    # t = −3/(1/√3) = −5.196, and for 2 degrees of freedom P(|T| ≤ t) = t/√(2 + t²), so p = 1 − 5.196/√29 = 0.0351.
+    assert row == "| 64 | 2 | -3.000 | [-5.484, -0.516] | 0.0351 |"
+
+
+def test_paired_comparison_refuses_mismatched_seeds_in_one_line(tmp_path: Path) -> None:
+    root = _sweep(tmp_path / "runs", ("alibi",))
+    for seed in (0, 1, 5):
+        _run(root, "rope", seed, (12.0, 24.0), 800.0)
+    with pytest.raises(SystemExit, match="seeds differ"):
+        paired_section(find_results([root]), "alibi", "rope")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "posenc.report", str(root), "--no-plots", "--paired", "alibi", "rope"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "cannot pair 'alibi' with 'rope': their seeds differ (['0', '1', '2'] vs ['0', '1', '5'], each seed once on "
+        "both sides is needed)"
+    ]
