@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from posenc.report import build_report, find_results
-from posenc.report.cost import cost_points
+from posenc.report.cost import cost_points, log_cost_scatter
 from posenc.report.paired import paired_section
 from posenc.report.perplexity import group_runs
 
@@ -151,3 +151,24 @@ def test_paired_comparison_refuses_mismatched_seeds_in_one_line(tmp_path: Path) 
         "cannot pair 'alibi' with 'rope': their seeds differ (['0', '1', '2'] vs ['0', '1', '5'], each seed once on "
         "both sides is needed)"
     ]
+
+
+def test_the_same_points_go_to_wandb_as_a_scatter(tmp_path: Path) -> None:
+    results = find_results([_sweep(tmp_path / "runs")])
+
+    class Run:
+        def __init__(self) -> None:
+            self.logged: dict = {}
+
+        def log(self, data: dict) -> None:
+            self.logged.update(data)
+
+    run = Run()
+    log_cost_scatter(results, run)
+    (chart,) = run.logged.values()
+    (by_label,) = group_runs(results).values()
+    points, _ = cost_points(by_label)
+    assert list(run.logged) == ["report/cost_vs_extrapolation_L32_nonoverlap"]
+    assert chart.table.columns[:3] == ["label", "throughput", "ratio"]
+    assert [row[:3] for row in chart.table.data] == [[p["label"], p["throughput"], p["ratio"]] for p in points]
+    assert [row[0] for row in chart.table.data] == ["alibi", "nope", "rope"]

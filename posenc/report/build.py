@@ -9,6 +9,7 @@ are removed first, and unfinished ones unless the report was asked to include th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.report.attention import attention_tables
 from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
-from posenc.report.cost import cost_plots_of
+from posenc.report.cost import cost_plots_of, log_cost_scatter
 from posenc.report.effective import effective_tables
 from posenc.report.paired import paired_section
 from posenc.report.perplexity import group_runs, perplexity_tables
@@ -130,6 +131,9 @@ class ReportOnSweepEnd(Callback):
             return
         print(build_report(results, sweep_dir))
         print(f"wrote {sweep_dir / 'report.md'}")
+        wandb = sys.modules.get("wandb")  # imported only when a W&B logger ran in this process
+        if wandb is not None and getattr(wandb, "run", None) is not None:
+            log_cost_scatter(results, wandb.run)
         failed = [run["run_name"] for run in results if run.get("failed")]
         if failed:  # the sweep ran every job, but it did not succeed: say so in the exit status
             raise SystemExit(
