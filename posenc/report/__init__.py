@@ -2,11 +2,14 @@
 
 Reads every ``results.json`` under the given directories (written by training's end-of-run evaluation or by
 ``posenc.evaluate``), groups runs by training length and evaluation mode, and writes ``report.md`` plus
-combined plots (one line per scheme): rows are evaluation lengths, columns are schemes, cells are mean ± std
-over seeds, followed by the ratio to in-length perplexity and task accuracies. ``--wandb entity/project``
+combined plots (one line per scheme): rows are evaluation lengths, columns are schemes, perplexity cells are the
+mean and 95% Student-t interval over seeds with the cells the seeds cannot separate from the best marked, followed
+by the ratio to in-length perplexity, task accuracies, effective lengths and the cost-vs-extrapolation figure;
+``--paired A B`` adds a seed-matched comparison of two columns. ``--wandb entity/project``
 builds the same tables from W&B run summaries instead (needs network).
 
-One module per section: ``perplexity``, ``tasks``, ``attention`` (tables), ``plots`` (figures); ``collect``
+One module per section: ``perplexity``, ``tasks``, ``attention``, ``effective``, ``paired`` (tables), ``plots``
+and ``cost`` (figures); ``collect``
 finds results, ``build`` assembles ``report.md`` from the sections listed in ``build.SECTIONS`` and
 ``build.FIGURES``, and ``__main__`` is the command line.
 """

@@ -1,4 +1,4 @@
-"""What every report section shares: mean ± std cells, a stable column order, the table header, the appendix.
+"""What every report section shares: cells with their spread or interval, column order, the header, the appendix.
 
 A section module (perplexity, tasks, attention) turns a list of results into markdown lines; the numbers in its
 cells come from here, so every table formats them the same way. Every table's header comes from ``table_head``,
