@@ -73,6 +73,10 @@ def test_cells_show_the_student_t_interval_and_mark_cells_not_separated_from_the
     assert nope == "44.00 ± 9.94"  # [34.06, 53.94]: separated from the best, no mark
     alibi, nope, rope = _row(markdown, 32)
     assert alibi == "11.00 ± 2.48 ◆" and nope == "12.00 ± 4.97 ≈" and rope == "12.00 ± 2.48 ≈"
+    assert _row(markdown, 32, which=1) == ["1.000 ± 0.000"] * 3  # ratios at 1× are 1 by construction: no marks
+    # ratios at 2×: alibi 2, 1.909, 1.833 (s 0.0834); nope 4, 3.667, 3.429 (s 0.2871); rope 2, 2, 2
+    alibi, nope, rope = _row(markdown, 64, which=1)
+    assert alibi == "1.914 ± 0.207 ◆" and nope == "3.698 ± 0.713" and rope == "2.000 ± 0.000 ≈"
 
 
 def test_a_single_seed_column_shows_its_mean_alone_and_no_mark_against_an_interval(tmp_path: Path) -> None:

@@ -54,15 +54,17 @@ def interval(values: Sequence[float | None]) -> Interval | None:
 
 
 def marked_cells(
-    by_label: dict[str, Sequence[float | None]], digits: int = 2, higher_is_better: bool = False
+    by_label: dict[str, Sequence[float | None]], digits: int = 2, higher_is_better: bool = False, marks: bool = True
 ) -> dict[str, str]:
     """{column: ``mean ± half-width`` and its mark} for one row, so the reader sees which cells the seeds separate.
+
+    ``marks=False`` leaves them out where every cell is equal by construction (the ratio at the training length).
 
     A cell's own n is shown only where it differs from its column's (a length that failed for some seeds).
     """
     intervals = {label: interval(values) for label, values in by_label.items()}
     present = {label: iv for label, iv in intervals.items() if iv is not None}
-    marks = overlaps_best(present, higher_is_better)
+    overlapping = overlaps_best(present, higher_is_better) if marks else {}
     out = {}
     for label, iv in intervals.items():
         if iv is None:
@@ -72,7 +74,7 @@ def marked_cells(
         if iv.n != len(by_label[label]):
             text += f" (n={iv.n})"
         best = (max if higher_is_better else min)(present, key=lambda name: present[name].mean)
-        mark = BEST if label == best else NOT_SEPARATED if marks.get(label) else ""
+        mark = "" if not marks else BEST if label == best else NOT_SEPARATED if overlapping.get(label) else ""
         out[label] = f"{text} {mark}".rstrip()
     return out
 

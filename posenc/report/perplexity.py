@@ -54,7 +54,10 @@ def perplexity_tables(key: Key, by_label: Columns, appendix: Appendix | None = N
     for length in lengths:
         ppl = marked_cells({label: [value(run, length, "ppl") for run in by_label[label]] for label in labels})
         ratio = {label: [value(run, length, "ratio") for run in by_label[label]] for label in labels}
-        cells, ratios = [ppl[label] for label in labels], list(marked_cells(ratio, digits=3).values())
+        cells, ratios = (
+            [ppl[label] for label in labels],
+            list(marked_cells(ratio, 3, marks=length != train_len).values()),
+        )
         out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
         ratio_rows.append(f"| {length} | {length / train_len:g} | " + " | ".join(ratios) + " |")
     out += ["", "Ratio to the in-length (1×) perplexity of the same run (1.0 = no degradation):", "", *head]
