@@ -1,4 +1,4 @@
-"""What makes two evaluated runs the same experiment, so that the report pools only those (mean ± std over seeds).
+"""What makes two evaluated runs the same experiment, so that the report pools only those (over seeds).
 
 A run's identity is its resolved training config without the seed, paths and logging (``RUNTIME_KEYS``), plus
 the corpus fingerprint, plus the evaluation settings that change the numbers (everything in ``results["eval"]``

@@ -218,9 +218,11 @@ def test_report_builds_the_expected_table(tmp_path: Path) -> None:
     markdown = build_report(find_results([tmp_path]), tmp_path / "report")
     lines = markdown.splitlines()
     assert "| length | ×L | alibi (n=2 · ? steps · ? tokens) | sinusoidal (n=1 · ? steps · ? tokens) |" in lines
-    assert "| 64 | 1 | 11.00 ± 1.41 | 10.00 |" in lines
-    assert "| 256 | 4 | 11.50 ± 2.12 | 200.00 |" in lines
-    assert "| 256 | 4 | 1.042 ± 0.059 | 20.000 |" in lines  # ratio table: (1.0, 13/12) and 20
+    # Mean ± the 95% Student-t half-width over two seeds (t = 12.706 at 1 degree of freedom: 12.706 · s / √2), ◆ the
+    # best mean at each length; a one-seed column shows its mean alone.
+    assert "| 64 | 1 | 11.00 ± 12.71 | 10.00 ◆ |" in lines
+    assert "| 256 | 4 | 11.50 ± 19.06 ◆ | 200.00 |" in lines
+    assert "| 256 | 4 | 1.042 ± 0.529 ◆ | 20.000 |" in lines  # ratio table: (1.0, 13/12) and 20
     assert (tmp_path / "report" / "report.md").exists()
     assert (tmp_path / "report" / "ppl_vs_length_L64_nonoverlap.png").stat().st_size > 0
 
