@@ -110,14 +110,20 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_aot_eager_blocks_match_the_dense_reference(cuda_branches: None, kind: str) -> None:
-    name = KINDS[kind]
-    torch.manual_seed(3)
+def _reference_and_compiled(name: str) -> tuple[Decoder, Decoder]:
+    """The dense reference and the same weights through ``auto`` with blocks compiled by ``aot_eager``."""
     reference = Decoder(name, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS, attention="eager")
     model = Decoder(name, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS, attention="auto")
     model.load_state_dict(reference.state_dict())
     compile_blocks(model, backend="aot_eager")
+    return reference, model
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_aot_eager_blocks_match_the_dense_reference(cuda_branches: None, kind: str) -> None:
+    name = KINDS[kind]
+    torch.manual_seed(3)
+    reference, model = _reference_and_compiled(name)
     tokens = torch.randint(0, VOCAB, (2, LENGTH))
     weights = torch.randn(2, LENGTH, VOCAB)
     outputs = []
@@ -144,10 +150,7 @@ def test_attention_statistics_over_compiled_flex_blocks(
         flex, "compiled_flex_attention", lambda: torch.compile(flex_module.flex_attention, backend="aot_eager")
     )
     name = KINDS[kind]
-    reference = Decoder(name, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS, attention="eager")
-    model = Decoder(name, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS, attention="auto")
-    model.load_state_dict(reference.state_dict())
-    compile_blocks(model, backend="aot_eager")
+    reference, model = _reference_and_compiled(name)
     windows = torch.randint(0, VOCAB, (3, LENGTH))
     expected = attention_statistics(reference, windows)
     got = attention_statistics(model, windows)
