@@ -74,13 +74,16 @@ class TokenAccounting(Callback):
     windows: the global batch. The world size is only known once Lightning has parsed ``devices`` (``auto``,
     lists) and ``num_nodes``, hence ``setup``. Training windows are numbered ``(seed, start_sample + index)``; a
     run resumed at step s starts after the s global batches it already trained on, so it sees fresh windows.
-    Tokens/s is global (steps are in lockstep across ranks) and leaves out validation time.
+    Tokens/s is global (steps are in lockstep across ranks) and leaves out validation time; so does
+    ``loop_seconds``, the training loop's whole time (steps and data loading, validation and the end-of-training
+    evaluation left out), which ``run.json`` records with the throughput it implies, for comparing schemes' cost.
     """
 
     def __init__(self, max_steps: int, resume_step: int) -> None:
         self.max_steps, self.resume_step = max_steps, resume_step
         self.accounting: dict[str, int] = {}
         self.last_step, self.last_time, self.paused_at = 0, 0.0, None
+        self.loop_seconds, self.loop_mark, self.loop_steps = 0.0, None, 0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         data = trainer.datamodule
@@ -106,8 +109,20 @@ class TokenAccounting(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.last_step, self.last_time = trainer.global_step, time.perf_counter()
+        self.loop_mark, self.loop_steps = self.last_time, trainer.global_step
+
+    def tokens_per_sec(self, steps: int) -> float | None:
+        """Tokens trained in this process's loop over its seconds; ``None`` where this process did not train."""
+        trained = steps - self.loop_steps
+        if self.loop_mark is None or trained <= 0 or self.loop_seconds <= 0:
+            return None
+        return trained * self.accounting["tokens_per_step"] / self.loop_seconds
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.loop_mark is not None:
+            now = time.perf_counter()
+            self.loop_seconds += now - self.loop_mark
+            self.loop_mark = now
         step = trainer.global_step
         if step == self.last_step or step % trainer.log_every_n_steps:  # Lightning logs at these steps
             return
@@ -120,10 +135,15 @@ class TokenAccounting(Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.paused_at = time.perf_counter()
+        if self.loop_mark is not None:
+            self.loop_seconds += self.paused_at - self.loop_mark
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.paused_at is not None:
-            self.last_time += time.perf_counter() - self.paused_at
+            now = time.perf_counter()
+            self.last_time += now - self.paused_at
+            if self.loop_mark is not None:
+                self.loop_mark = now
             self.paused_at = None
 
 
@@ -179,7 +199,7 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
             save_top_k=0,
             every_n_train_steps=config["checkpoint_every_n_steps"],
         ),
-        TokenAccounting(trainer_cfg["max_steps"], resume_step),
+        accounting_callback := TokenAccounting(trainer_cfg["max_steps"], resume_step),
         SaveOnInterrupt(run_dir / CHECKPOINT, resume_command or f"resume=last in {run_dir}"),
     ]
     if loggers:  # it only logs, and refuses to run without a logger
@@ -219,6 +239,8 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         "tokens": steps * accounting["tokens_per_step"],
         "resumed_from": resumed_from,
         "train_seconds": time.perf_counter() - started,
+        "train_loop_seconds": accounting_callback.loop_seconds or None,
+        "tokens_per_sec": accounting_callback.tokens_per_sec(steps),
         "checkpoint": str(run_dir / CHECKPOINT),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
         "eval": _eval_summary(evaluation, run_dir),

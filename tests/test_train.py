@@ -44,6 +44,17 @@ def test_three_steps_per_scheme(name: str, tmp_path: Path) -> None:
         assert all(row["ppl"] > 1 and row["error"] is None for row in evals.values())
 
 
+def test_run_records_the_training_loops_throughput_without_evaluation(tmp_path: Path) -> None:
+    """The cost plot compares schemes by ``tokens_per_sec``: the loop's time alone, not the 32x evaluation's."""
+    summary = train(compose_train("+encoding=alibi", *FAST), tmp_path)
+    saved = strict_json(tmp_path / "run.json")
+    assert saved["tokens_per_sec"] == summary["tokens_per_sec"]
+    loop = saved["train_loop_seconds"]
+    assert 0 < loop < saved["train_seconds"]
+    assert saved["tokens_per_sec"] == pytest.approx(saved["tokens"] / loop)
+    assert saved["tokens_per_sec"] > saved["tokens"] / saved["train_seconds"]
+
+
 def test_checkpoint_restores_the_model(tmp_path: Path) -> None:
     train(compose_train("+encoding=kerple_log", *FAST), tmp_path)
     restored = LitDecoder.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt")

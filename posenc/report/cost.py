@@ -4,9 +4,10 @@ x is the column's training throughput (tokens per second of its runs, mean over 
 same report, the scheme that adds no work; without a NoPE column, relative to the fastest column, and the axis
 says so. y is the column's perplexity ratio at the largest evaluated length to its in-length perplexity (log
 scale, 1.0 kept in view), with its 95% Student-t interval over seeds as error bars. A run's throughput is the
-``tokens_per_sec`` of its ``run.json`` where recorded, else its tokens over its ``train_seconds`` (wall time of
-the training call, its validation and end-of-training evaluation included, so slower than the logged
-``train/tokens_per_sec``; every run of a report is measured the same way).
+``tokens_per_sec`` of its ``run.json``: the tokens it trained over its training loop's seconds (steps and data
+loading; validation and the end-of-training evaluation left out, since the evaluation's length is not the
+scheme's training cost). Runs written before that field existed fall back to tokens over ``train_seconds``, the
+wall time of the whole training call, evaluation included, which is slower.
 """
 
 from __future__ import annotations
