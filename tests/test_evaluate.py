@@ -309,7 +309,7 @@ def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:
         (folder / "results.json").write_text(json.dumps({"label": label, "train_len": 64, "seed": 0, "passkey": rows}))
     markdown = build_report(find_results([tmp_path]), tmp_path / "report")
     lines = markdown.splitlines()
-    assert "| 64 | 1 | 1.00 | 1.00 |" in lines
-    assert "| 256 | 4 | 0.50 | 1.00 |" in lines  # alibi: the far key lost, the near one found
-    assert "| 0 | 0.00 | 1.00 |" in lines and "| 1 | 1.00 | 1.00 |" in lines  # by depth at 256
+    assert "| 64 | 1 | 1.00 ◆ | 1.00 ◆ |" in lines  # a tie: both best
+    assert "| 256 | 4 | 0.50 | 1.00 ◆ |" in lines  # alibi: the far key lost, the near one found
+    assert "| 0 | 0.00 | 1.00 ◆ |" in lines and "| 1 | 1.00 ◆ | 1.00 ◆ |" in lines  # by depth at 256
     assert (tmp_path / "report" / "passkey_accuracy_L64.png").exists()

@@ -103,7 +103,8 @@ def test_task_tables_show_per_byte_accuracy_chance_and_untrained_models(tmp_path
     _task_result(tmp_path / "c", "alibi", "copy", "copy", 0.25)
     markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=True)
     passkey, copy = markdown.split("## copy accuracy")
-    assert "Per-byte accuracy (mean over key depths) (chance: 0.10" in passkey and "| 64 | 1 | 0.30 | 0.30 |" in passkey
+    assert "Per-byte accuracy (mean over key depths) (chance: 0.10" in passkey
+    assert "| 64 | 1 | 0.30 ◆ | 0.30 ◆ |" in passkey
     assert "Not trained on passkey: rope" in passkey
     assert "mean over key depths" not in copy.split("## Plots")[0] and "(chance: 0.04" in copy
     assert (tmp_path / "report" / "passkey_accuracy_per_byte_L64.png").exists()

@@ -176,3 +176,25 @@ def test_the_same_points_go_to_wandb_as_a_scatter(tmp_path: Path) -> None:
     assert chart.table.columns[:3] == ["label", "throughput", "ratio"]
     assert [row[:3] for row in chart.table.data] == [[p["label"], p["throughput"], p["ratio"]] for p in points]
     assert [row[0] for row in chart.table.data] == ["alibi", "nope", "rope"]
+
+
+def test_retrieval_tables_show_intervals_first_byte_accuracy_and_chance(tmp_path: Path) -> None:
+    """Task accuracies get the same intervals and marks as perplexity (higher is better), with the chance rates."""
+    for label, exact, first in (("alibi", [0.9, 0.92, 0.94], [0.95, 0.96, 0.97]), ("rope", [0.5, 0.7, 0.9], [0.6] * 3)):
+        for seed in range(3):
+            rows = [
+                {"task": "assoc", "length": 32, "samples": 8, "answers": 64, "accuracy": exact[seed],
+                 "first_byte_accuracy": first[seed], "token_accuracy": first[seed], "chance_exact": 0.01,
+                 "chance_first_byte": 0.1}
+            ]  # fmt: skip
+            folder = tmp_path / f"{label}_{seed}" / "eval"
+            folder.mkdir(parents=True)
+            result = {"label": label, "train_len": 32, "seed": seed, "assoc": rows, "data": {"task": "assoc"}}
+            (folder / "results.json").write_text(json.dumps(result))
+    markdown = build_report(find_results([tmp_path]), tmp_path / "out", make_plots=False)
+    assert "Exact match (the whole answer right) (chance: 0.01, a uniform guess):" in markdown
+    assert "First answer byte right (chance: 0.1, a uniform guess):" in markdown
+    exact_row, first_row, per_byte_row = (_row(markdown, 32, which) for which in range(3))
+    # alibi: s = 0.02, half-width 4.3027 · 0.02 / √3 = 0.0497; rope: s = 0.2, 0.497: [0.20, 1.20] overlaps alibi's
+    assert exact_row == ["0.92 ± 0.05 ◆", "0.70 ± 0.50 ≈"]
+    assert first_row == ["0.96 ± 0.02 ◆", "0.60 ± 0.00"] == per_byte_row  # rope's [0.6, 0.6] is separated

@@ -37,7 +37,7 @@ def plot_lines(
     ylim: tuple[float, float] | None = None,
     references: Mapping[str, float] | None = None,
 ) -> Path:
-    """One line (with an optional ± band) per series name: {name: (x, y, std or None)}; see ``line_figure``."""
+    """One line (with an optional ± band) per series name: {name: (x, y, half-width or None)}; see ``line_figure``."""
     fig, _ = line_figure(series, title, xlabel, ylabel, train_len, logx, logy, include, min_span, ylim, references)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -69,15 +69,15 @@ def line_figure(
     # Past 10 series matplotlib's default cycle repeats colours: draw from tab20 and vary the dash as well.
     colours = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
     shown: list[float] = list(include)
-    for index, (name, (x, y, std)) in enumerate(series.items()):
+    for index, (name, (x, y, band)) in enumerate(series.items()):
         x, y = np.asarray(x, dtype=float), np.asarray([np.nan if v is None else v for v in y], dtype=float)
         style = {"color": colours[index % len(colours)], "linestyle": ("-", "--", ":")[index // len(colours) % 3]}
         ax.plot(x, y, marker="o" if len(x) < 20 else None, markersize=3, label=name, **style)
         shown += list(y)
-        if std is not None:
-            std = np.asarray(std, dtype=float)
-            ax.fill_between(x, y - std, y + std, alpha=0.2, color=style["color"])
-            shown += list(y - std) + list(y + std)
+        if band is not None:
+            band = np.asarray(band, dtype=float)
+            ax.fill_between(x, y - band, y + band, alpha=0.2, color=style["color"])
+            shown += list(y - band) + list(y + band)
     for name, level in (references or {}).items():
         ax.axhline(level, color="black", linestyle=":", linewidth=1, label=f"{name} {level:.2g}")
         shown.append(level)

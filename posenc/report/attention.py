@@ -7,7 +7,7 @@ from typing import Any
 
 from posenc.evaluate.attention_stats import mean_by_length
 from posenc.identity import columns
-from posenc.report.common import Appendix, Columns, cell, order, table_head
+from posenc.report.common import Appendix, Columns, marked_cells, order, table_head
 
 ATTENTION_STATS = {
     "sink": "Sink mass: attention probability on the window's first token",
@@ -45,7 +45,8 @@ def attention_tables(results: list[dict[str, Any]], appendix: Appendix | None = 
             out += [
                 f"## Attention: {stat} by length, trained at L={train_len} on {data}",
                 "",
-                f"{what}, averaged over every layer, head and query (but each window's first), mean ± std over seeds. "
+                f"{what}, averaged over every layer, head and query (but each window's first); the mean over seeds ± "
+                "the half-width of its 95% Student-t interval (no marks: no value of these is better in itself). "
                 "Per layer × head: each run's eval/attention_stats.csv and attention_heatmaps.png.",
                 "",
                 *table_head(
@@ -53,10 +54,11 @@ def attention_tables(results: list[dict[str, Any]], appendix: Appendix | None = 
                 ),
             ]
             for length in lengths:
-                cells = [
-                    cell([attention_means(run, stat).get(length) for run in by_label[label]], digits=3)
-                    for label in labels
-                ]
-                out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
+                row = marked_cells(
+                    {label: [attention_means(run, stat).get(length) for run in by_label[label]] for label in labels},
+                    digits=3,
+                    marks=False,
+                )
+                out.append(f"| {length} | {length / train_len:g} | " + " | ".join(row[x] for x in labels) + " |")
             out.append("")
     return "\n".join(out)

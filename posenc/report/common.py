@@ -10,7 +10,6 @@ run directories behind every column.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,27 +21,24 @@ Key = tuple[int, str, int | None]  # (train_len, mode, stride)
 Columns = dict[str, list[dict[str, Any]]]  # {column label: the runs pooled in it}
 
 
-def mean_std(values: Sequence[float | None]) -> tuple[float, float, int]:
-    """(mean, sample std, n) of the finite values; (nan, nan, 0) when there is none."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    if not finite:
+def mean_halfwidth(values: Sequence[float | None]) -> tuple[float, float, int]:
+    """(mean, half-width of its 95% Student-t interval, n) of the finite values, for the figures' bands.
+
+    The half-width is 0 for one value (no interval) and the tuple ``(nan, nan, 0)`` when there is none: a band
+    drawn from it is the same interval the tables print.
+    """
+    iv = interval(values)
+    if iv is None:
         return math.nan, math.nan, 0
-    return statistics.fmean(finite), (statistics.stdev(finite) if len(finite) > 1 else 0.0), len(finite)
-
-
-def cell(values: Sequence[float | None], digits: int = 2) -> str:
-    """``mean ± std`` over seeds, the mean alone for one run, ``—`` for none."""
-    mean, std, n = mean_std(values)
-    if n == 0:
-        return "—"
-    return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+    return iv.mean, iv.half_width or 0.0, iv.n
 
 
 BEST, NOT_SEPARATED = "◆", "≈"
 MARKS_LEGEND = (
     f"Cells are the mean over seeds ± the half-width of its 95% Student-t interval (n seeds in the column header; "
     f"a column of one seed shows its mean alone: one seed gives no interval). {BEST} marks the best mean at a "
-    f"length, {NOT_SEPARATED} a cell whose interval overlaps the best one's (the seeds cannot tell the two apart); "
+    f"length (every cell that ties it), {NOT_SEPARATED} a cell whose interval overlaps the best one's (the seeds "
+    "cannot tell the two apart); "
     "cells without a mark are separated from the best, or have no interval to compare."
 )
 
@@ -73,8 +69,8 @@ def marked_cells(
         text = f"{iv.mean:.{digits}f}" + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}f}")
         if iv.n != len(by_label[label]):
             text += f" (n={iv.n})"
-        best = (max if higher_is_better else min)(present, key=lambda name: present[name].mean)
-        mark = "" if not marks else BEST if label == best else NOT_SEPARATED if overlapping.get(label) else ""
+        best = (max if higher_is_better else min)(iv.mean for iv in present.values())
+        mark = "" if not marks else BEST if iv.mean == best else NOT_SEPARATED if overlapping.get(label) else ""
         out[label] = f"{text} {mark}".rstrip()
     return out
 

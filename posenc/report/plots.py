@@ -1,4 +1,7 @@
-"""The report's figures: one line per column (scheme), per training length; matplotlib is imported only here."""
+"""The report's figures: one line per column (scheme), per training length; matplotlib is imported only here.
+
+A column of several seeds is drawn with a band: the 95% Student-t interval of its mean, as in the tables.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any
 from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RATIO_MIN_SPAN
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
 from posenc.report.attention import attention_groups, attention_means
-from posenc.report.common import Columns, Key, mean_std, order
+from posenc.report.common import Columns, Key, mean_halfwidth, order
 from posenc.report.perplexity import value
 from posenc.report.tasks import TASKS, task_accuracies, task_columns
 
@@ -29,7 +32,7 @@ def perplexity_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
             series = {}
             for label in order(by_label):
                 lengths = sorted({row["length"] for run in by_label[label] for row in run["perplexity"]})
-                stats = [mean_std([value(run, length, field) for run in by_label[label]]) for length in lengths]
+                stats = [mean_halfwidth([value(run, length, field) for run in by_label[label]]) for length in lengths]
                 kept = [(length, m, s) for length, (m, s, n) in zip(lengths, stats, strict=True) if n]
                 if kept:
                     series[label] = ([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept])
@@ -82,7 +85,7 @@ def task_plots(results: list[dict[str, Any]], out_dir: Path, tasks: Sequence[str
                 series = {}
                 for label in order(by_label):
                     lengths = sorted({row["length"] for run in by_label[label] for row in run[task]})
-                    stats = [mean_std(task_accuracies(by_label[label], task, n, field=field)) for n in lengths]
+                    stats = [mean_halfwidth(task_accuracies(by_label[label], task, n, field=field)) for n in lengths]
                     kept = [(n, m, sd) for n, (m, sd, count) in zip(lengths, stats, strict=True) if count]
                     if kept:
                         series[label] = ([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept])
@@ -114,7 +117,7 @@ def attention_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             for label in order(by_label):
                 per_run = [attention_means(run, stat) for run in by_label[label]]
                 lengths = sorted({n for means in per_run for n in means})
-                stats = [mean_std([means.get(n) for means in per_run]) for n in lengths]
+                stats = [mean_halfwidth([means.get(n) for means in per_run]) for n in lengths]
                 series[label] = (lengths, [m for m, _, _ in stats], [sd for _, sd, _ in stats])
             images.append(
                 plot_lines(

@@ -9,7 +9,7 @@ from typing import Any
 
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
 from posenc.identity import columns
-from posenc.report.common import Appendix, Columns, cell, order, table_head
+from posenc.report.common import MARKS_LEGEND, Appendix, Columns, marked_cells, order, table_head
 
 TASKS = ("passkey", "copy")
 
@@ -28,36 +28,52 @@ def task_tables(results: list[dict[str, Any]], tasks: Sequence[str] = TASKS, app
             title = f"{task} accuracy, trained at L={train_len}"
             depths = " (mean over key depths)" if task == "passkey" else ""
             head = table_head(by_label, labels, title=title, appendix=appendix)
-            out += [
-                f"## {title}",
-                "",
-                f"Exact-match accuracy{depths}: the whole answer right; mean ± std over seeds (runs that differ only "
-                "in their seed).",
-                "",
-                *head,
-            ]
-            for length in lengths:
-                cells = [cell(task_accuracies(by_label[label], task, length)) for label in labels]
-                out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
-            chance = CHANCE_PER_BYTE[task]
-            out += ["", f"Per-byte accuracy{depths} (chance: {chance:.2f}, guessing each answer byte):", "", *head]
-            for length in lengths:
-                cells = [
-                    cell(task_accuracies(by_label[label], task, length, field="token_accuracy")) for label in labels
-                ]
-                out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
+            out += [f"## {title}", "", MARKS_LEGEND, ""]
+            for field, what in _accuracy_fields(by_label, task):
+                out += [f"{what}{depths}{_chance(by_label, task, field)}:", "", *head]
+                for length in lengths:
+                    row = marked_cells(
+                        {label: task_accuracies(by_label[label], task, length, field=field) for label in labels},
+                        higher_is_better=True,
+                    )
+                    out.append(f"| {length} | {length / train_len:g} | " + " | ".join(row[x] for x in labels) + " |")
+                out.append("")
             untrained = [
                 label for label in labels if any(run.get("trained_task", task) != task for run in by_label[label])
             ]
             if untrained:
                 out += [
-                    "",
                     f"Not trained on {task}: {', '.join(untrained)}: their accuracy measures the format, not recall.",
+                    "",
                 ]
-            out.append("")
             if task == "passkey":
                 out += _depth_table(by_label, labels, max(lengths), train_len)
     return "\n".join(out)
+
+
+FIELDS = {
+    "accuracy": "Exact match (the whole answer right)",
+    "first_byte_accuracy": "First answer byte right",
+    "token_accuracy": "Per-byte accuracy",
+}
+CHANCE_FIELDS = {"accuracy": "chance_exact", "first_byte_accuracy": "chance_first_byte"}
+
+
+def _accuracy_fields(by_label: Columns, task: str) -> list[tuple[str, str]]:
+    """The accuracy fields the runs recorded, in FIELDS' order (first-byte accuracy: the retrieval tasks)."""
+    rows = [row for runs in by_label.values() for run in runs for row in run[task]]
+    return [(field, what) for field, what in FIELDS.items() if any(row.get(field) is not None for row in rows)]
+
+
+def _chance(by_label: Columns, task: str, field: str) -> str:
+    """`` (chance: 0.10, …)``: what a uniform guess over the answer alphabet scores on ``field``, where known."""
+    rows = [row for runs in by_label.values() for run in runs for row in run[task]]
+    recorded = sorted({row[CHANCE_FIELDS[field]] for row in rows if row.get(CHANCE_FIELDS.get(field, ""))})
+    if recorded:
+        return " (chance: " + ", ".join(f"{value:.2g}" for value in recorded) + ", a uniform guess)"
+    if field == "token_accuracy":
+        return f" (chance: {CHANCE_PER_BYTE[task]:.2f}, guessing each answer byte)"
+    return ""
 
 
 def task_columns(results: list[dict[str, Any]], task: str) -> dict[int, Columns]:
@@ -93,7 +109,10 @@ def _depth_table(by_label: Columns, labels: list[str], length: int, train_len: i
         "|---:|" + "---:|" * len(labels),
     ]
     for depth in depths:
-        cells = [cell(task_accuracies(by_label[label], "passkey", length, depth)) for label in labels]
-        out.append(f"| {depth:g} | " + " | ".join(cells) + " |")
+        row = marked_cells(
+            {label: task_accuracies(by_label[label], "passkey", length, depth) for label in labels},
+            higher_is_better=True,
+        )
+        out.append(f"| {depth:g} | " + " | ".join(row[label] for label in labels) + " |")
     out.append("")
     return out
