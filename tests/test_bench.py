@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from posenc import bench_compare
 from posenc.bench import markdown, run
 from posenc.config import CONF_DIR
 
@@ -106,6 +109,46 @@ def test_compare_with_x_transformers(tmp_path: Path) -> None:
     assert rows["alibi"]["posenc_params"] == rows["alibi"]["x_params"]
     assert rows["rope"]["x_flags"]["attn_flash"] is True
     assert "### posenc against x-transformers" in (tmp_path / "bench.md").read_text()
+
+
+def _killed_by_the_kernel(*args: object) -> dict:
+    os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's out-of-memory killer does: no exception, no answer
+    return {}
+
+
+def _answers(*args: object) -> dict:
+    return {"posenc_ms": 1.0, "peak_rss_mib": 2.0}
+
+
+def test_a_case_runs_in_a_child_and_a_killed_child_is_reported() -> None:
+    assert bench_compare.in_child((), _answers) == {"posenc_ms": 1.0, "peak_rss_mib": 2.0}
+    killed = bench_compare.in_child((), _killed_by_the_kernel)
+    assert killed["killed"] and "SIGKILL" in killed["error"]
+
+
+def test_compare_keeps_the_library_that_fit_when_the_other_is_killed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Both in one child are killed; alone, posenc runs and x-transformers is killed: posenc's time is kept."""
+    pytest.importorskip("x_transformers")
+    calls = []
+
+    def fake_child(args: tuple) -> dict:
+        sides = args[-1]
+        calls.append(sides)
+        if sides == ("posenc",):
+            return {"posenc_ms": 50.0, "posenc_params": 10, "x_params": 10, "peak_rss_mib": 300.0}
+        return {"error": "killed (SIGKILL: out of memory, most likely)", "killed": True}
+
+    monkeypatch.setattr(bench_compare, "in_child", fake_child)
+    results = run(_compose(*COMPARE, "compare.schemes=[cope]"), tmp_path)
+    (row,) = results["compare"]
+    assert calls == [("posenc", "x"), ("posenc",), ("x",)]
+    assert row["posenc_ms"] == 50.0 and "x_ms" not in row and "ratio" not in row
+    assert row["error"].startswith("x-transformers: killed (SIGKILL")
+    assert row["posenc_tokens_per_s"] == pytest.approx(2 * 16 / 50.0 * 1e3) and row["posenc_peak_rss_mib"] == 300.0
+    table = [line for line in (tmp_path / "bench.md").read_text().splitlines() if line.startswith("| cope | 16 |")]
+    assert table and "| 50.0 |" in table[0] and "posenc 300" in table[0]
 
 
 def test_compare_without_x_transformers_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
