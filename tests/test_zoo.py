@@ -53,6 +53,7 @@ def test_chunked_sdpa_content_bias_matches_eager_values_and_gradients(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sdpa, "MAX_CONTENT_ELEMENTS", 2 * HEADS * 5 * 37)  # chunks of ≤ 5 queries
+    monkeypatch.setattr(sdpa, "MAX_FOLDED_ROWS", 5)  # the same for a bias folded into q and k (key_bias)
     expected = _attention_grads("eager", name, 37)
     got = _attention_grads("sdpa", name, 37)
     assert len(got) == len(expected) > 4  # the scheme's parameters receive gradients
@@ -79,6 +80,30 @@ def test_query_suffix_over_all_keys_gives_the_full_rows(name: str) -> None:
                 rows = get_backend(backend)(q[:, :, start:], k, v, enc, pos[start:], pos)
                 every = get_backend(backend)(q, k, v, enc, pos, pos)
             torch.testing.assert_close(rows, every[:, :, start:], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", CONTENT_CASES)
+def test_a_declared_key_bias_is_the_content_bias_up_to_a_row_term(name: str) -> None:
+    # key_bias lets sdpa fold the bias into q and k: it must equal content_bias minus something constant per row.
+    enc = _perturbed(name)
+    k_pos = torch.arange(50, 90)
+    q, k = torch.randn(2, HEADS, 40, HEAD_DIM), torch.randn(2, HEADS, 40, HEAD_DIM)
+    term = enc.key_bias(k, k_pos)
+    if term is None:
+        pytest.skip(f"{name} declares no key term")
+    assert term.shape == (2, HEADS, 40) and term.dtype == torch.float32
+    for start in (0, 25):  # self-attention, and a query suffix over every key
+        q_pos = k_pos[start:]
+        residual = enc.content_bias(q[:, :, start:], k, q_pos, k_pos) - term[:, :, None, :]
+        causal = k_pos[None, :] <= q_pos[:, None]
+        spread = (residual - residual[..., :1]).masked_fill(~causal, 0.0)
+        assert spread.abs().max() < 1e-4
+
+
+def test_some_registered_scheme_declares_a_key_bias() -> None:
+    # Otherwise the folded path and its tests above would test nothing.
+    k = torch.randn(1, HEADS, 6, HEAD_DIM)
+    assert any(make(name).key_bias(k, torch.arange(6)) is not None for name in CONTENT_SCHEMES)
 
 
 @pytest.mark.parametrize("name", CONTENT_SCHEMES)

@@ -8,7 +8,10 @@ distances past 256 lose exactness), which is one reason ``auto`` prefers ``flex`
 
 A content-dependent bias (``adds_content_bias``: CoPE, DAPE, data-dependent ALiBi) is one (B, H, Lq, Lk) tensor per
 batch, so its query chunks are sized by ``MAX_CONTENT_ELEMENTS`` over batch and heads together; each chunk's bias
-is computed from that chunk's queries and the keys it may see (the scheme's rows need nothing else).
+is computed from that chunk's queries and the keys it may see (the scheme's rows need nothing else). A content
+bias that varies along a row only through a per-key term (the scheme's ``key_bias``: data-dependent ALiBi) needs no
+(Lq × Lk) tensor: the term rides in one extra channel of q and k, and SDPA runs its fused kernel with a causal
+boolean mask (on CPU, in fp32 or fp64; the CUDA path keeps the dense bias, whose bf16 behaviour is the measured one).
 
 Every mask is handed over 4-D, (1, H, Lq, Lk) or (B, H, Lq, Lk): on CPU, SDPA sends a 3-D mask to its math kernel
 (scores materialised, a safe softmax) and a 4-D one to its flash kernel, several times faster; CUDA's
@@ -30,9 +33,11 @@ from torch import Tensor
 
 from posenc.attention import register_backend
 from posenc.encodings.base import PositionalEncoding
+from posenc.runtime import cuda_path
 
 MAX_MASK_ELEMENTS = 1 << 24  # per head: 16M entries, 64 MiB in fp32
 MAX_CONTENT_ELEMENTS = 1 << 22  # over batch and heads: 16 MiB per fp32 temporary (DAPE's MLP holds 8-32 of them)
+MAX_FOLDED_ROWS = 1024  # a folded key term spans ≤ 1024 positions' worth of decay per chunk: fp32-exact enough
 MAX_CACHED_BYTES = 1 << 28  # 256 MiB of kept masks: an 8-head fp32 mask up to L = 2048, or a few shorter ones
 
 
@@ -85,6 +90,10 @@ def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
     if encoding.adds_content_bias:
+        if not encoding.adds_bias and q.dtype in FOLDED_DTYPES and not cuda_path(q):
+            key_term = encoding.key_bias(k, k_pos)
+            if key_term is not None:
+                return sdpa_with_key_bias(q, k, v, key_term, q_pos, k_pos)
         return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos)
     if not encoding.adds_bias:
         if q_pos is k_pos:
@@ -147,4 +156,36 @@ def sdpa_with_content_bias(
             mask = mask + encoding.bias(chunk_q_pos, chunk_k_pos)
         mask = mask.masked_fill(chunk_k_pos[None, None, None, :] > chunk_q_pos[None, None, :, None], float("-inf"))
         chunks.append(F.scaled_dot_product_attention(chunk_q, chunk_k, chunk_v, attn_mask=mask.to(q.dtype)))
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
+
+
+FOLDED_DTYPES = (torch.float32, torch.float64)
+
+
+def sdpa_with_key_bias(q: Tensor, k: Tensor, v: Tensor, key_term: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """Causal SDPA with a bias r_i + t_j given by its key term t (B, H, Lk): t folded into an extra channel.
+
+    q gets a channel of ones, k the channel t / scale, v a channel of zeros (dropped from the output), and the scale
+    stays 1/√D of the real head dim, so q'·k'·scale = q·k·scale + t_j: the scores of the dense bias up to r_i,
+    which softmax ignores. Per query chunk t is shifted by its largest value over the chunk's keys (constant along
+    every row, so exact in arithmetic, and detached since its gradient is zero): the channel then holds values
+    within a chunk's span of decay instead of a running sum that grows with the position, which keeps fp32 exact
+    enough at any length. No (Lq × Lk) float tensor exists: the mask is boolean, and SDPA takes its flash kernel.
+    """
+    self_attention = q_pos is k_pos
+    scale = q.shape[-1] ** -0.5
+    rows = max(1, min(MAX_FOLDED_ROWS, MAX_MASK_ELEMENTS // k.shape[-2]))
+    ones = q.new_ones(*q.shape[:-1], 1)
+    padded_v = torch.cat([v, v.new_zeros(*v.shape[:-1], 1)], dim=-1)
+    chunks = []
+    for start in range(0, q.shape[-2], rows):
+        end = start + rows
+        keys = slice(0, end) if self_attention else slice(None)  # later keys are all masked for this chunk
+        term = key_term[..., keys]
+        term = term - term.detach().amax(dim=-1, keepdim=True)
+        chunk_k = torch.cat([k[:, :, keys], (term / scale).to(k.dtype)[..., None]], dim=-1)
+        chunk_q = torch.cat([q[:, :, start:end], ones[:, :, start:end]], dim=-1)
+        causal = (k_pos[keys][None, :] <= q_pos[start:end][:, None])[None, None]
+        out = F.scaled_dot_product_attention(chunk_q, chunk_k, padded_v[:, :, keys], attn_mask=causal, scale=scale)
+        chunks.append(out[..., :-1])
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)

@@ -50,6 +50,10 @@ class DataDependentALiBi(PositionalEncoding):
         logits = torch.einsum("bhkd,hd->bhk", k.float(), self.gate_weight.float()) + self.gate_bias.float()[:, None]
         return F.logsigmoid(logits)
 
+    def key_bias(self, k: Tensor, k_pos: Tensor) -> Tensor:
+        """−F(k_pos[j]) (B, H, Lk): along a row the bias F(i) − F(j) varies only through the key's −F(j)."""
+        return -self.log_gates(k).cumsum(dim=-1)
+
     def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         cumulative = self.log_gates(k).cumsum(dim=-1)  # F(k_pos[j]) (B, H, Lk)
         # F(q_pos[i]) is the cumulative sum up to the last key at or before the query: the query's own key.

@@ -18,6 +18,13 @@ position table at all; they declare ``adds_content_bias`` and offer a fifth word
   prefix containing ``q_pos``), and must get exactly the rows the full computation gives. Backends that work from
   positions alone (FlexAttention's score_mod) refuse such a scheme; eager and sdpa add it chunk by chunk.
 
+A content bias that varies along each softmax row only through a per-key term, content_bias[..., i, j] = r_i +
+t_j on the keys row i sees (data-dependent ALiBi: the query's cumulative log-gate minus the key's), may also say so:
+
+- ``key_bias(k, k_pos)``: t (B, H, Lk) in fp32, or ``None``. Softmax ignores r_i, so a backend may fold t into one
+  extra channel of q·kᵀ (a 1 in every query, t / scale in every key) and run a fused kernel with no (Lq × Lk)
+  tensor at all. ``content_bias`` stays the reference the folded path is tested against.
+
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
 the O(L²) matrix.
@@ -178,6 +185,14 @@ class PositionalEncoding(nn.Module):
         Keys come in increasing position order. Row i may depend only on q_i and the keys with ``k_pos <= q_pos[i]``
         (see the module docstring: a query suffix over cached keys must get the full computation's rows); entries
         with ``k_pos > q_pos`` are masked by the backend and may hold anything finite.
+        """
+        return None
+
+    def key_bias(self, k: Tensor, k_pos: Tensor) -> Tensor | None:
+        """The per-key term t (B, H, Lk) fp32 of a content bias r_i + t_j (see the module docstring), or ``None``.
+
+        ``None`` (the default) when the content bias is not of that form; when it is, ``content_bias − t_j`` must be
+        constant along j over each row's causal keys, which ``tests/test_encodings.py`` checks for every scheme.
         """
         return None
 

@@ -66,6 +66,13 @@ class Stack(PositionalEncoding):
             return None
         return sum(biases[1:], biases[0])
 
+    def key_bias(self, k: Tensor, k_pos: Tensor) -> Tensor | None:
+        """The members' key terms summed, when every member with a content bias has one; ``None`` otherwise."""
+        terms = [m.key_bias(k, k_pos) for m in self.parts if m.adds_content_bias]
+        if not terms or any(term is None for term in terms):
+            return None
+        return sum(terms[1:], terms[0])
+
     def score_mod(self, detached: bool = False) -> ScoreMod | None:
         mods = [mod for mod in (m.score_mod(detached=detached) for m in self.parts) if mod is not None]
         if not mods:
