@@ -7,9 +7,6 @@ reads), ``perplexity.csv``, ``loss_by_position.csv``, task CSVs and plots.
 
 from __future__ import annotations
 
-import csv
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,20 +17,17 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from posenc.compiling import eager_blocks
-from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.encodings.base import PositionalEncoding
-from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RESULTS_FILE
-from posenc.evaluate.attention_stats import attention_plots, attention_stats_by_length, attention_summary, stats_windows
-from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO, effective_lengths
+from posenc.evaluate.attention_stats import attention_stats_by_length, attention_summary, stats_windows
+from posenc.evaluate.effective import effective_lengths
+from posenc.evaluate.outputs import TASK_NAMES, print_results, replace_outputs, write_outputs
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
-from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.retrieval import evaluate_retrieval_tasks
-from posenc.evaluate.tasks import CHANCE_PER_BYTE, evaluate_copy, evaluate_passkey
+from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.evaluate.wandb_tables import log_results
-from posenc.jsonio import dumps
 from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
 
-TASK_NAMES = ("passkey", "copy", *RETRIEVAL_TASKS)
+__all__ = ["TASK_NAMES", "ExtrapolationEval", "evaluate_model", "print_results", "replace_outputs", "write_outputs"]
 
 
 def supported(lengths: list[int], model: nn.Module) -> list[int]:
@@ -192,172 +186,6 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
 
 def _multiple_tag(multiple: float) -> str:
     return f"{int(multiple)}x" if float(multiple).is_integer() else f"{multiple:g}x"
-
-
-def replace_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
-    """``write_outputs`` into a fresh folder that then replaces ``out_dir`` whole.
-
-    No file of an earlier evaluation (a plot, a CSV of a length no longer asked for) survives next to the new ones.
-    """
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        images = write_outputs(results, staging, plots=plots)
-        previous = out_dir.with_name(f".{out_dir.name}.previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        if out_dir.exists():
-            out_dir.rename(previous)
-        staging.rename(out_dir)
-        shutil.rmtree(previous, ignore_errors=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return [out_dir / image.name for image in images]
-
-
-def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
-    """results.json, CSVs and PNGs under ``out_dir``; returns the PNGs written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / RESULTS_FILE).write_text(dumps(results, indent=1))
-    label, train_len = results["label"], results["train_len"]
-    images: list[Path] = []
-    if "perplexity" in results:
-        _write_csv(out_dir / "perplexity.csv", results["perplexity"], exclude={"loss_by_position"})
-        by_length = sorted(results["loss_by_position"].items(), key=lambda item: int(item[0]))
-        rows = [{"length": int(n), "position": i, "loss": v} for n, curve in by_length for i, v in enumerate(curve)]
-        _write_csv(out_dir / "loss_by_position.csv", rows)
-        if plots:
-            ok = [r for r in results["perplexity"] if r["error"] is None]
-            images.append(
-                plot_lines(
-                    {label: ([r["length"] for r in ok], [r["ppl"] for r in ok], None)},
-                    out_dir / "ppl_vs_length.png",
-                    f"{label}: perplexity vs evaluation length",
-                    "evaluation length (tokens)",
-                    "perplexity",
-                    train_len=train_len,
-                    logy=True,
-                    min_span=PPL_MIN_SPAN,
-                )
-            )
-            if by_length:
-                images.append(
-                    plot_lines(
-                        {f"windows of {n}": (*smooth(curve), None) for n, curve in by_length},
-                        out_dir / "loss_by_position.png",
-                        f"{label}: loss by position, per evaluation length",
-                        "position in window",
-                        "loss (nats)",
-                        train_len=train_len,
-                        min_span=LOSS_MIN_SPAN,
-                    )
-                )
-    if "passkey" in results:
-        _write_csv(out_dir / "passkey.csv", results["passkey"])
-        if plots:
-            depths = sorted({r["depth"] for r in results["passkey"]})
-            lengths = sorted({r["length"] for r in results["passkey"]})
-            grid = np.zeros((len(depths), len(lengths)))
-            for r in results["passkey"]:
-                grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
-            images.append(
-                plot_heatmap(
-                    grid, depths, lengths, out_dir / "passkey.png", f"{label}: passkey accuracy", "length", "depth"
-                )
-            )
-    for name in ("copy", *RETRIEVAL_TASKS):
-        if name not in results:
-            continue
-        _write_csv(out_dir / f"{name}.csv", results[name])
-        if plots:
-            rows = results[name]
-            lengths = [r["length"] for r in rows]
-            images.append(
-                plot_lines(
-                    {
-                        f"{label}, exact match": (lengths, [r["accuracy"] for r in rows], None),
-                        f"{label}, per byte": (lengths, [r.get("token_accuracy") for r in rows], None),
-                    },
-                    out_dir / f"{name}.png",
-                    f"{label}: {name} accuracy"
-                    + ("" if results.get("trained_task") == name else " (not trained on it)"),
-                    "length",
-                    "accuracy",
-                    train_len=train_len,
-                    ylim=ACCURACY_LIMITS,
-                    references={"per-byte chance": CHANCE_PER_BYTE[name]},
-                )
-            )
-    if "attention_stats" in results:
-        _write_csv(out_dir / "attention_stats.csv", results["attention_stats"])
-        if plots:
-            images += attention_plots(results["attention_stats"], label, train_len, out_dir)
-    return images
-
-
-def _write_csv(path: Path, rows: list[dict[str, Any]], exclude: set[str] = frozenset()) -> None:
-    if not rows:
-        return
-    fields = [key for key in rows[0] if key not in exclude]
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def print_results(results: dict[str, Any]) -> None:
-    """The human summary: perplexity by length (with the ratio to in-length), task accuracies."""
-    label, train_len = results["label"], results["train_len"]
-    if "perplexity" in results:
-        rows = results["perplexity"]
-        mode = rows[0]["mode"] + (f", stride {rows[0]['stride']}" if rows[0]["stride"] else "")
-        scored = rows[0]["tokens"]
-        print(f"\nPerplexity of {label} trained at L={train_len} ({mode}; {scored} tokens scored at each length):")
-        data = (results.get("config") or {}).get("data") or {}
-        if data.get("val_windows"):  # two perplexities at 1×: say why they differ
-            print(
-                f"  (1× here scores the first {scored} tokens of the {results['eval'].get('split', 'validation')} "
-                f"split; training's val/ppl scored its first {data['val_windows'] * train_len}, so the two "
-                "differ by sample, not by method)"
-            )
-        print(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
-        for r in rows:
-            if r["error"]:
-                print(f"  {r['length']:>7} {r['multiple']:>5g} {'n/a':>8} {'n/a':>9} {'':>9} {'':>7}  ({r['error']})")
-            else:
-                ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
-                figures = f"{r['loss']:>8.4f} {r['ppl']:>9.3f} {r['bpb']:>9.4f} {ratio:>7}"
-                print(f"  {r['length']:>7} {r['multiple']:>5g} {figures}")
-    for name in TASK_NAMES:
-        if name in results:
-            exact = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
-            byte = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_byte_acc@")}
-            shown = ", ".join(f"{m} {v:.2f} ({byte.get(m, float('nan')):.2f} per byte)" for m, v in exact.items())
-            print(f"{name} accuracy by length: {shown}; per-byte chance {CHANCE_PER_BYTE[name]:.2f}")
-            if results.get("trained_task") != name:
-                print(f"  ({label} was not trained on {name}'s format: these figures measure the format, not recall)")
-            rows = [r for r in results[name] if "first_byte_accuracy" in r]
-            if rows:
-                chance = f"chance {rows[0]['chance_first_byte']:.3g}, exact {rows[0]['chance_exact']:.3g}"
-                firsts = ", ".join(f"{r['length'] / train_len:g}x {r['first_byte_accuracy']:.2f}" for r in rows)
-                print(f"{name} first answer byte by length ({chance}): {firsts}")
-    effective = results.get("effective_length")
-    if effective:
-        settings = results.get("eval") or {}
-        rule = (
-            f"ppl ≤ {settings.get('effective_ppl_ratio', DEFAULT_PPL_RATIO):g}× in-length, "
-            f"accuracy ≥ {settings.get('effective_acc_fraction', DEFAULT_ACC_FRACTION):g}× in-length, at every length"
-        )
-        print(
-            f"effective length ({rule}): "
-            + ", ".join(f"{metric} {'n/a' if n is None else n}" for metric, n in effective.items())
-        )
-    for stat in ("sink", "distance"):
-        values = {k: v for k, v in results["summary"].items() if k.startswith(f"attn_{stat}@")}
-        if values:
-            print(
-                f"attention {stat} (mean over layers and heads) by length: "
-                + ", ".join(f"{k.split('@')[1]} {v:.3g}" for k, v in values.items())
-            )
 
 
 class ExtrapolationEval(Callback):
