@@ -1,13 +1,14 @@
 """Cost against extrapolation in one picture: each column a point, training speed across, length degradation up.
 
-x is the column's training throughput (tokens per second of its runs, mean over seeds) relative to NoPE's in the
-same report, the scheme that adds no work; without a NoPE column, relative to the fastest column, and the axis
-says so. y is the column's perplexity ratio at the largest evaluated length to its in-length perplexity (log
-scale, 1.0 kept in view), with its 95% Student-t interval over seeds as error bars. A run's throughput is the
-``tokens_per_sec`` of its ``run.json``: the tokens it trained over its training loop's seconds (steps and data
-loading; validation and the end-of-training evaluation left out, since the evaluation's length is not the
-scheme's training cost). Runs written before that field existed fall back to tokens over ``train_seconds``, the
-wall time of the whole training call, evaluation included, which is slower.
+x is the column's training throughput (tokens per second of its runs, the median over seeds: a run slowed by other
+work on the machine moves a mean, not a median of three) relative to NoPE's in the same report, the scheme that
+adds no work; without a NoPE column, relative to the fastest column, and the axis says so. y is the column's
+perplexity ratio at the largest evaluated length to its in-length perplexity (log scale, 1.0 kept in view), with
+its 95% Student-t interval over seeds as error bars. A run's throughput is the ``tokens_per_sec`` of its
+``run.json``: the tokens it trained over its training loop's seconds (steps and data loading; validation and the
+end-of-training evaluation left out, since the evaluation's length is not the scheme's training cost). Runs written
+before that field existed fall back to tokens over ``train_seconds``, the wall time of the whole training call,
+evaluation included, which is slower.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def cost_points(by_label: Columns) -> tuple[list[dict[str, Any]], str]:
     for label, runs in by_label.items():
         measured = [speed for speed in map(throughput, runs) if speed is not None]
         if measured:
-            speeds[label] = statistics.fmean(measured)
+            speeds[label] = statistics.median(measured)
     if not speeds:
         return [], ""
     reference = REFERENCE if REFERENCE in speeds else max(speeds, key=speeds.__getitem__)
