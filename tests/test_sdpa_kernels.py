@@ -32,20 +32,20 @@ def _sdpa_kernels(name: str, queries: int, keys: int, train: bool) -> set[str]:
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("queries", [33, 5], ids=["self-attention", "query-suffix"])
-@pytest.mark.parametrize("name", [*SCHEMES, "rope+alibi", "rope+alibi_dd"])
+@pytest.mark.parametrize("name", [*SCHEMES, "rope+alibi", "rope+alibi_dd", "alibi+cope"])
 def test_sdpa_takes_the_cpu_flash_kernel(name: str, queries: int, train: bool) -> None:
     # A 3-D (H, Lq, Lk) mask sends SDPA to its math kernel, several times slower on CPU: masks must arrive 4-D.
     # A mask that needs a gradient (a learnable or content-dependent bias, training) can only go to the math
     # kernel, the one SDPA kernel that differentiates its mask; every other case must take the flash kernel.
-    # A content bias with a key term (key_bias) rides in q and k instead of a mask: the flash kernel again.
+    # A content bias with a key term (key_bias) rides in q and k instead of a mask: the flash kernel again. One
+    # that reads the scores (reads_scores) trains through a plain softmax of the scores it already has: no SDPA.
     enc = make(name)
     kernels = _sdpa_kernels(name, queries, keys=33, train=train)
-    folded = (
-        enc.adds_content_bias
-        and not enc.adds_bias
-        and enc.key_bias(torch.zeros(1, HEADS, 2, HEAD_DIM), torch.arange(2)) is not None
-    )
-    if train and (enc.learnable_bias or enc.adds_content_bias) and not folded:
+    term = enc.key_bias(torch.zeros(1, HEADS, 2, HEAD_DIM), torch.arange(2))
+    folded = enc.adds_content_bias and not enc.adds_bias and term is not None
+    if train and enc.reads_scores:
+        assert MATH not in kernels and FLASH_CPU not in kernels, kernels
+    elif train and (enc.learnable_bias or enc.adds_content_bias) and not folded:
         assert MATH in kernels and FLASH_CPU not in kernels, kernels
     else:
         assert FLASH_CPU in kernels and MATH not in kernels, kernels

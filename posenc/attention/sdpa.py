@@ -141,21 +141,35 @@ def sdpa_with_bias(
 def sdpa_with_content_bias(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
-    """Causal SDPA with the scheme's content bias (plus its position bias, if any), one query chunk at a time."""
+    """Causal SDPA with the scheme's content bias (plus its position bias, if any), one query chunk at a time.
+
+    A scheme that ``reads_scores`` (CoPE, DAPE) gets each chunk's fp32 scaled scores from here on CPU, computed
+    once. When the bias needs a gradient, SDPA could only run its math kernel, which computes the same scores a
+    second time and takes a safe softmax; the chunk then goes through a plain softmax of those scores plus the
+    bias instead (the eager reference's arithmetic). The CUDA path keeps SDPA for every chunk.
+    """
     self_attention = q_pos is k_pos
     batch, heads, length, _ = q.shape
     rows = max(1, MAX_CONTENT_ELEMENTS // (batch * heads * k.shape[-2]))
+    share_scores = encoding.reads_scores and not cuda_path(q)
     chunks = []
     for start in range(0, length, rows):
         end = start + rows
         keys = slice(0, end) if self_attention else slice(None)  # later keys are all masked for this chunk
         chunk_q, chunk_k, chunk_v = q[:, :, start:end], k[:, :, keys], v[:, :, keys]
         chunk_q_pos, chunk_k_pos = q_pos[start:end], k_pos[keys]
-        mask = encoding.content_bias(chunk_q, chunk_k, chunk_q_pos, chunk_k_pos)  # (B, H, rows, keys) fp32
+        scores = None
+        if share_scores:
+            scores = torch.matmul(chunk_q.float(), chunk_k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+        mask = encoding.content_bias(chunk_q, chunk_k, chunk_q_pos, chunk_k_pos, scores)  # (B, H, rows, keys) fp32
         if encoding.adds_bias:
             mask = mask + encoding.bias(chunk_q_pos, chunk_k_pos)
         mask = mask.masked_fill(chunk_k_pos[None, None, None, :] > chunk_q_pos[None, None, :, None], float("-inf"))
-        chunks.append(F.scaled_dot_product_attention(chunk_q, chunk_k, chunk_v, attn_mask=mask.to(q.dtype)))
+        if scores is not None and torch.is_grad_enabled() and mask.requires_grad:
+            probs = (scores + mask).softmax(dim=-1)
+            chunks.append(torch.matmul(probs, chunk_v.float()).to(q.dtype))
+        else:
+            chunks.append(F.scaled_dot_product_attention(chunk_q, chunk_k, chunk_v, attn_mask=mask.to(q.dtype)))
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 

@@ -21,6 +21,10 @@ position table at all; they declare ``adds_content_bias`` and offer a fifth word
 A content bias that varies along each softmax row only through a per-key term, content_bias[..., i, j] = r_i +
 t_j on the keys row i sees (data-dependent ALiBi: the query's cumulative log-gate minus the key's), may also say so:
 
+A content bias that reads the attention's own scaled scores (CoPE's gates, DAPE's MLP input) declares
+``reads_scores``: a backend that has computed q·kᵀ/√D passes them as ``scores`` rather than have the scheme compute
+them a second time.
+
 - ``key_bias(k, k_pos)``: t (B, H, Lk) in fp32, or ``None``. Softmax ignores r_i, so a backend may fold t into one
   extra channel of q·kᵀ (a 1 in every query, t / scale in every key) and run a fused kernel with no (Lq × Lk)
   tensor at all. ``content_bias`` stays the reference the folded path is tested against.
@@ -108,6 +112,7 @@ class PositionalEncoding(nn.Module):
     adds_bias: ClassVar[bool] = False
     rotates: ClassVar[bool] = False
     adds_content_bias: ClassVar[bool] = False
+    reads_scores: ClassVar[bool] = False  # content_bias reads q·kᵀ/√D, which a backend may pass it (``scores``)
 
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -179,8 +184,13 @@ class PositionalEncoding(nn.Module):
         """
         return None
 
-    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    def content_bias(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None
+    ) -> Tensor | None:
         """fp32 bias (B, H, Lq, Lk) from queries (B, H, Lq, D) and keys (B, H, Lk, D), or ``None``.
+
+        ``scores``, when a backend passes them, are the attention's own fp32 scaled scores q·kᵀ/√D of these q and
+        k: a scheme that ``reads_scores`` uses them instead of computing them again.
 
         Keys come in increasing position order. Row i may depend only on q_i and the keys with ``k_pos <= q_pos[i]``
         (see the module docstring: a query suffix over cached keys must get the full computation's rows); entries

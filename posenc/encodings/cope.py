@@ -32,6 +32,7 @@ class CoPE(PositionalEncoding):
 
     name = "cope"
     adds_content_bias = True
+    reads_scores = True
 
     def __init__(self, num_heads: int, head_dim: int, num_positions: int = 64) -> None:
         super().__init__(num_heads, head_dim)
@@ -40,14 +41,18 @@ class CoPE(PositionalEncoding):
         self.num_embeddings = num_positions
         self.embeddings = nn.Parameter(torch.zeros(num_positions, head_dim))
 
-    def contextual_positions(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def contextual_positions(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None
+    ) -> Tensor:
         """p_ij (B, H, Lq, Lk) fp32: the gates of keys j..i summed; 0 on pairs the causal mask removes."""
-        gates = torch.sigmoid(torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1]))
+        if scores is None:
+            scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
+        gates = torch.sigmoid(scores)
         gates = gates.masked_fill(k_pos[None, :] > q_pos[:, None], 0.0)
         return gates.flip(-1).cumsum(-1).flip(-1)  # suffix sums over keys: Σ_{t ≥ j, t ≤ i} g_it
 
-    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        positions = self.contextual_positions(q, k, q_pos, k_pos).clamp(max=self.num_embeddings - 1)
+    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None) -> Tensor:
+        positions = self.contextual_positions(q, k, q_pos, k_pos, scores).clamp(max=self.num_embeddings - 1)
         logits = torch.einsum("bhqd,nd->bhqn", q.float(), self.embeddings.float())  # z_i[n] (B, H, Lq, P)
         floor = positions.floor()
         weight = positions - floor  # interpolation weight of the upper neighbour

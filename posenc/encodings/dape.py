@@ -30,6 +30,7 @@ class DAPE(PositionalEncoding):
 
     name = "dape"
     adds_content_bias = True
+    reads_scores = True
 
     def __init__(self, num_heads: int, head_dim: int, base: str = "kerple_log", mlp_width: int = 32) -> None:
         super().__init__(num_heads, head_dim)
@@ -46,8 +47,10 @@ class DAPE(PositionalEncoding):
         hidden = F.leaky_relu(hidden + self.hidden.bias.float()[:, None, None])
         return torch.einsum("bwqk,hw->bhqk", hidden, self.out.weight.float()) + self.out.bias.float()[:, None, None]
 
-    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        logits = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])  # A
+    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None) -> Tensor:
+        logits = scores  # A, when the backend has it
+        if logits is None:
+            logits = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
         prior = self.prior.bias(q_pos, k_pos).expand_as(logits)  # B (B, H, Lq, Lk)
         return prior + self.mlp(torch.cat((logits, prior), dim=1))
 

@@ -31,6 +31,7 @@ class Stack(PositionalEncoding):
         self.adds_bias = any(m.adds_bias for m in members)
         self.rotates = any(m.rotates for m in members)
         self.adds_content_bias = any(m.adds_content_bias for m in members)
+        self.reads_scores = any(m.reads_scores for m in members)
 
     @property
     def label(self) -> str:
@@ -60,8 +61,10 @@ class Stack(PositionalEncoding):
             return None
         return sum(biases[1:], biases[0])
 
-    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        biases = [b for b in (m.content_bias(q, k, q_pos, k_pos) for m in self.parts) if b is not None]
+    def content_bias(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None
+    ) -> Tensor | None:
+        biases = [b for b in (m.content_bias(q, k, q_pos, k_pos, scores) for m in self.parts) if b is not None]
         if not biases:
             return None
         return sum(biases[1:], biases[0])
