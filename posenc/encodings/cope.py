@@ -56,9 +56,11 @@ class CoPE(PositionalEncoding):
         logits = torch.einsum("bhqd,nd->bhqn", q.float(), self.embeddings.float())  # z_i[n] (B, H, Lq, P)
         floor = positions.floor()
         weight = positions - floor  # interpolation weight of the upper neighbour
-        lower = logits.gather(-1, floor.long())
-        upper = logits.gather(-1, positions.ceil().long())
-        return weight * upper + (1 - weight) * lower
+        index = floor.long()
+        lower = logits.gather(-1, index)
+        # ⌈p⌉ wherever the weight is not 0 (and where it is, the upper value does not count): one index tensor.
+        upper = logits.gather(-1, (index + 1).clamp(max=self.num_embeddings - 1))
+        return torch.lerp(lower, upper, weight)  # (1 − w) · z[⌊p⌋] + w · z[⌈p⌉] in one pass
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_positions={self.num_embeddings}"
