@@ -101,7 +101,18 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
         for line, point in zip(ax.get_lines(), points, strict=False):
             error = [[point["half_width"] or 0.0], [point["half_width"] or 0.0]]
             ax.errorbar([point["throughput"]], [point["ratio"]], yerr=error, color=line.get_color(), capsize=4)
+            # Each point named where it stands: with 16 schemes, colours alone cannot be matched to the legend.
+            ax.annotate(
+                point["label"],
+                (point["throughput"], point["ratio"]),
+                xytext=(5, 3),
+                textcoords="offset points",
+                fontsize=7,
+                color=line.get_color(),
+            )
         ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+        low, high = min(p["throughput"] for p in points), max(p["throughput"] for p in points)
+        ax.set_xlim(low - 0.05 * max(high - low, 0.2), high + 0.12 * max(high - low, 0.2))  # room for the names
         suffix = f"L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
         path = out_dir / f"cost_vs_extrapolation_{suffix}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
