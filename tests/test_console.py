@@ -59,7 +59,10 @@ def test_ctrl_c_is_reported_once(tmp_path: Path) -> None:
         if "global batch" in line:
             break
     process.send_signal(signal.SIGINT)
-    rest, _ = process.communicate(timeout=120)
+    try:
+        rest, _ = process.communicate(timeout=120)
+    finally:  # a run that ignored the signal must not train on beside the rest of the suite
+        process.kill()
     console = "".join(lines) + rest
     assert console.count("interrupted at step") == 1, console[-3000:]
     assert console.count("KeyboardInterrupt") <= 1, console[-3000:]  # Lightning's own notice, if any, once
