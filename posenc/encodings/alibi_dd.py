@@ -55,7 +55,7 @@ class DataDependentALiBi(PositionalEncoding):
         return -self.log_gates(k).cumsum(dim=-1)
 
     def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None) -> Tensor:
-        cumulative = self.log_gates(k).cumsum(dim=-1)  # F(k_pos[j]) (B, H, Lk)
+        cumulative = -self.key_bias(k, k_pos)  # F(k_pos[j]) (B, H, Lk)
         # F(q_pos[i]) is the cumulative sum up to the last key at or before the query: the query's own key.
         last = torch.searchsorted(k_pos, q_pos, right=True) - 1  # (Lq,), ≥ 0 since each query sees itself
         at_query = cumulative[..., last.clamp(min=0)]  # (B, H, Lq)

@@ -21,13 +21,13 @@ position table at all; they declare ``adds_content_bias`` and offer a fifth word
 A content bias that varies along each softmax row only through a per-key term, content_bias[..., i, j] = r_i +
 t_j on the keys row i sees (data-dependent ALiBi: the query's cumulative log-gate minus the key's), may also say so:
 
-A content bias that reads the attention's own scaled scores (CoPE's gates, DAPE's MLP input) declares
-``reads_scores``: a backend that has computed q·kᵀ/√D passes them as ``scores`` rather than have the scheme compute
-them a second time.
-
 - ``key_bias(k, k_pos)``: t (B, H, Lk) in fp32, or ``None``. Softmax ignores r_i, so a backend may fold t into one
   extra channel of q·kᵀ (a 1 in every query, t / scale in every key) and run a fused kernel with no (Lq × Lk)
   tensor at all. ``content_bias`` stays the reference the folded path is tested against.
+
+A content bias that reads the attention's own scaled scores (CoPE's gates, DAPE's MLP input) declares
+``reads_scores``: a backend that has computed q·kᵀ/√D passes them as ``scores`` rather than have the scheme compute
+them a second time.
 
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
@@ -202,7 +202,7 @@ class PositionalEncoding(nn.Module):
         """The per-key term t (B, H, Lk) fp32 of a content bias r_i + t_j (see the module docstring), or ``None``.
 
         ``None`` (the default) when the content bias is not of that form; when it is, ``content_bias − t_j`` must be
-        constant along j over each row's causal keys, which ``tests/test_encodings.py`` checks for every scheme.
+        constant along j over each row's causal keys, which ``tests/test_zoo.py`` checks for every scheme.
         """
         return None
 

@@ -54,13 +54,15 @@ def marked_cells(
 ) -> dict[str, str]:
     """{column: ``mean ± half-width`` and its mark} for one row, so the reader sees which cells the seeds separate.
 
-    ``marks=False`` leaves them out where every cell is equal by construction (the ratio at the training length).
+    ``marks=False`` leaves them out where no cell can be best: every cell equal by construction (the ratio at the
+    training length), or a quantity that is not better high or low (attention statistics).
 
     A cell's own n is shown only where it differs from its column's (a length that failed for some seeds).
     """
     intervals = {label: interval(values) for label, values in by_label.items()}
     present = {label: iv for label, iv in intervals.items() if iv is not None}
     overlapping = overlaps_best(present, higher_is_better) if marks else {}
+    best = (max if higher_is_better else min)((iv.mean for iv in present.values()), default=None)
     out = {}
     for label, iv in intervals.items():
         if iv is None:
@@ -69,7 +71,6 @@ def marked_cells(
         text = f"{iv.mean:.{digits}f}" + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}f}")
         if iv.n != len(by_label[label]):
             text += f" (n={iv.n})"
-        best = (max if higher_is_better else min)(iv.mean for iv in present.values())
         mark = "" if not marks else BEST if iv.mean == best else NOT_SEPARATED if overlapping.get(label) else ""
         out[label] = f"{text} {mark}".rstrip()
     return out

@@ -59,15 +59,20 @@ FIELDS = {
 CHANCE_FIELDS = {"accuracy": "chance_exact", "first_byte_accuracy": "chance_first_byte"}
 
 
+def _rows(by_label: Columns, task: str) -> list[dict[str, Any]]:
+    """Every result row of ``task`` in the table's columns."""
+    return [row for runs in by_label.values() for run in runs for row in run[task]]
+
+
 def _accuracy_fields(by_label: Columns, task: str) -> list[tuple[str, str]]:
     """The accuracy fields the runs recorded, in FIELDS' order (first-byte accuracy: the retrieval tasks)."""
-    rows = [row for runs in by_label.values() for run in runs for row in run[task]]
+    rows = _rows(by_label, task)
     return [(field, what) for field, what in FIELDS.items() if any(row.get(field) is not None for row in rows)]
 
 
 def _chance(by_label: Columns, task: str, field: str) -> str:
     """`` (chance: 0.10, …)``: what a uniform guess over the answer alphabet scores on ``field``, where known."""
-    rows = [row for runs in by_label.values() for run in runs for row in run[task]]
+    rows = _rows(by_label, task)
     recorded = sorted({row[CHANCE_FIELDS[field]] for row in rows if row.get(CHANCE_FIELDS.get(field, ""))})
     if recorded:
         return " (chance: " + ", ".join(f"{value:.2g}" for value in recorded) + ", a uniform guess)"
