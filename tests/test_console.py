@@ -52,7 +52,16 @@ def test_lightning_lines_print_once_and_a_resume_does_not_threaten_the_logs(tmp_
 def test_ctrl_c_is_reported_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "posenc.train", *TINY, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would the run;
+    # the run must see Ctrl-C as a terminal user's would, so its SIGINT goes back to the default before exec.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     lines = []
     assert process.stdout is not None
     for line in process.stdout:  # wait until training runs, then press Ctrl-C
