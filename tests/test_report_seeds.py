@@ -185,15 +185,16 @@ def test_retrieval_tables_show_intervals_first_byte_accuracy_and_chance(tmp_path
             rows = [
                 {"task": "assoc", "length": 32, "samples": 8, "answers": 64, "accuracy": exact[seed],
                  "first_byte_accuracy": first[seed], "token_accuracy": first[seed], "chance_exact": 0.01,
-                 "chance_first_byte": 0.1}
+                 "chance_first_byte": 0.1, "keyless_exact": 0.46, "keyless_first_byte": 0.46}
             ]  # fmt: skip
             folder = tmp_path / f"{label}_{seed}" / "eval"
             folder.mkdir(parents=True)
             result = {"label": label, "train_len": 32, "seed": seed, "assoc": rows, "data": {"task": "assoc"}}
             (folder / "results.json").write_text(json.dumps(result))
     markdown = build_report(find_results([tmp_path]), tmp_path / "out", make_plots=False)
-    assert "Exact match (the whole answer right) (chance: 0.01, a uniform guess):" in markdown
-    assert "First answer byte right (chance: 0.1, a uniform guess):" in markdown
+    floors = "a uniform guess; 0.46 without matching keys"
+    assert f"Exact match (the whole answer right) (chance: 0.01, {floors}):" in markdown
+    assert f"First answer byte right (chance: 0.1, {floors}):" in markdown
     exact_row, first_row, per_byte_row = (_row(markdown, 32, which) for which in range(3))
     # alibi: s = 0.02, half-width 4.3027 · 0.02 / √3 = 0.0497; rope: s = 0.2, 0.497: [0.20, 1.20] overlaps alibi's
     assert exact_row == ["0.92 ± 0.05 ◆", "0.70 ± 0.50 ≈"]

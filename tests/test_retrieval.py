@@ -13,7 +13,15 @@ from helpers import FAST, compose_train
 from torch import nn
 
 from posenc.data.datamodule import TaskDataModule
-from posenc.data.retrieval import RETRIEVAL_TASKS, RetrievalDataset, assoc_sample, chance_rates, task_dataset
+from posenc.data.retrieval import (
+    RETRIEVAL_TASKS,
+    RetrievalDataset,
+    assoc_sample,
+    chance_rates,
+    evaluation_options,
+    keyless_rates,
+    task_dataset,
+)
 from posenc.evaluate.retrieval import answer_spans, evaluate_retrieval
 from posenc.evaluate.runner import summary_metrics
 from posenc.evaluate.tasks import IGNORE, TaskDataset
@@ -105,6 +113,25 @@ def test_assoc_random_lead_spreads_the_distances_of_training_windows() -> None:
     assert {len(t) - len(t.lstrip(" ")) for t, _ in (assoc_text(64, s) for s in range(30))} == {0}
 
 
+def test_assoc_train_queries_repeat_keys_so_no_answer_follows_by_elimination() -> None:
+    repeated = 0
+    for seed in range(20):
+        text, scored = assoc_text(64, seed, num_pairs=4, num_queries=4, train_queries=28)
+        block, queries = text.split()
+        asked = queries[::2]
+        assert len(block) == 8 and len(asked) == len(scored) == 28  # 28 answers from 4 pairs, every byte used
+        assert set(asked) <= set(block[::2])
+        assert expected_answer("assoc", text) == "".join(text[i] for i in scored)
+        repeated += len(set(asked[:4])) < 4
+    assert repeated > 0  # keys are drawn with replacement: the first four queries do not always name four keys
+    # evaluation windows ask distinct keys, however training was shaped
+    evaluation = evaluation_options({"num_pairs": 4, "num_queries": 4, "train_queries": 28})
+    text, _ = assoc_text(64, 0, **evaluation)
+    assert len(set(text.split()[1][::2])) == 4
+    with pytest.raises(ValueError, match="train_queries must be ≥ 1 or null"):
+        assoc_sample(64, np.random.default_rng(0), num_pairs=4, num_queries=4, train_queries=0)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -130,6 +157,33 @@ def test_task_options_reach_the_dataset_and_are_checked() -> None:
     with pytest.raises(ValueError, match="task_options are for the retrieval tasks"):
         task_dataset("passkey", 64, 2, 0, options={"num_pairs": 3})
     assert chance_rates("assoc", {"value_len": 2}) == pytest.approx((0.1, 0.01))
+
+
+@pytest.mark.parametrize(
+    ("task", "options", "first", "exact"),
+    [
+        # one pair: its value is the only one there is
+        ("assoc", {"num_pairs": 1, "num_queries": 1}, 1.0, 1.0),
+        # two pairs, both asked: the first answer is a coin toss unless the two values agree (p = 0.1), the second
+        # follows by elimination: (0.9 · 0.5 + 0.1 + 1) / 2
+        ("assoc", {"num_pairs": 2, "num_queries": 2}, 0.775, 0.775),
+        # two pairs, one asked: no elimination
+        ("assoc", {"num_pairs": 2, "num_queries": 1}, 0.55, 0.55),
+        # four needles with distinct four-digit values: one in four, whatever the filler
+        ("multikey", {"num_keys": 4}, None, 0.25),
+        # two chains: one in two, first variables included (every variable name is distinct)
+        ("vartrack", {"num_chains": 2}, 0.5, 0.5),
+    ],
+)
+def test_keyless_rates_are_the_best_guess_blind_to_keys(task: str, options: dict, first, exact) -> None:
+    got_first, got_exact = keyless_rates(task, options)
+    assert got_exact == pytest.approx(exact, abs=0.02)
+    if first is not None:
+        assert got_first == pytest.approx(first, abs=0.02)
+    assert got_first >= got_exact and got_exact > chance_rates(task, options)[1]
+    # training-only options change nothing: the floor is the evaluation's
+    if task == "assoc":
+        assert keyless_rates(task, {**options, "train_queries": 9, "random_lead": True}) == (got_first, got_exact)
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -188,6 +242,8 @@ def test_scoring_counts_an_answer_only_when_every_byte_is_right(task: str, optio
     assert first_only["token_accuracy"] == pytest.approx(1 / answer_len)
     assert first_only["answers"] == 6 * (8 if task == "assoc" else 1)  # assoc: every query is an answer
     assert first_only["chance_first_byte"] == pytest.approx(1 / 26 if task == "vartrack" else 0.1)
+    blind = keyless_rates(task, options)
+    assert (first_only["keyless_first_byte"], first_only["keyless_exact"]) == blind  # every row carries both floors
 
 
 def test_answer_spans_split_runs_of_scored_bytes() -> None:

@@ -17,7 +17,8 @@ its facts in it with delimiters the filler never uses, so nothing but the facts 
   only widens the gap, so the query–key distance is the variable a length changes (at length N every query is
   N − 2 · num_pairs · (value_len + 1) to N − 2 positions after its key, value_len 1 and num_queries = num_pairs).
   Training windows (``random_lead``) put a random share of the spaces before the block instead, so training sees
-  every distance from 2 up to the window.
+  every distance from 2 up to the window, and ``train_queries`` asks more queries than there are pairs, keys
+  drawn with replacement, so that no answer follows by elimination from the answers already given.
 
 Samples are (inputs, targets) like passkey's: targets are ``IGNORE`` except on answer bytes, so a model trained on
 a task learns only the retrieval. Every sample is generated from a seeded generator: reproducible and endless.
@@ -26,6 +27,7 @@ a task learns only the retrieval. Every sample is generated from a seeded genera
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -126,8 +128,15 @@ def assoc_sample(
     num_queries: int = 8,
     value_len: int = 1,
     random_lead: bool = False,
+    train_queries: int | None = None,
 ) -> Sample:
-    """MQAR: ``num_pairs`` pairs ``kv``, spaces, then ``num_queries`` queries ``kv``, each value scored."""
+    """MQAR: ``num_pairs`` pairs ``kv``, spaces, then ``num_queries`` queries ``kv``, each value scored.
+
+    ``train_queries`` (training windows only; evaluation drops it, ``TRAINING_ONLY_OPTIONS``) asks that many
+    queries, keys drawn *with* replacement. Distinct keys let the last queries be answered by elimination (the one
+    value of the block not yet given), a shortcut a small model finds long before it learns to match keys; with
+    replacement no elimination works, and a window can hold many more answers than it has pairs.
+    """
     if not 1 <= num_pairs <= len(LOWERCASE):
         raise ValueError(f"assoc num_pairs must be in 1..{len(LOWERCASE)} (one-byte keys), got {num_pairs}")
     if not 1 <= num_queries <= num_pairs:
@@ -139,7 +148,13 @@ def assoc_sample(
     keys = rng.choice(LOWERCASE, size=num_pairs, replace=False)
     values = rng.choice(DIGITS, size=(num_pairs, value_len))
     block = np.concatenate([np.concatenate([[key], value]) for key, value in zip(keys, values, strict=True)])
-    asked = rng.choice(num_pairs, size=num_queries, replace=False)
+    if train_queries is not None and train_queries < 1:
+        raise ValueError(f"assoc train_queries must be ≥ 1 or null, got {train_queries}")
+    if train_queries is None:
+        asked = rng.choice(num_pairs, size=num_queries, replace=False)
+    else:
+        asked = rng.choice(num_pairs, size=train_queries, replace=True)
+    num_queries = len(asked)
     filler_len = _check_room("assoc", len(block) + num_queries * (1 + value_len), length)
     lead = int(rng.integers(filler_len + 1)) if random_lead else 0
     pieces = [(np.full(lead, GAP), False), (block, False), (np.full(filler_len - lead, GAP), False)]
@@ -160,12 +175,67 @@ def chance_rates(task: str, options: Mapping[str, Any] | None = None) -> tuple[f
     return first, first**answer_len
 
 
+def _keyless_choices(task: str, text: bytes, options: Mapping[str, Any]) -> list[tuple[bytes, list[bytes]]]:
+    """(answer, candidates) for every answer of one sample (``text``: its inputs and last target).
+
+    The candidates are what a solver that never ties a key to its fact cannot tell apart: every fact's answer,
+    less those the sample has already given.
+    """
+    if task == "multikey":
+        values = re.findall(rb"#[A-Z]{2}=(\d+)#", text)
+        return [(text[-len(values[0]) :], values)]
+    if task == "vartrack":
+        chains: dict[bytes, list[bytes]] = {}
+        for name, source in re.findall(rb"#([A-Z])=(\d+|[A-Z])#", text):
+            root = next((value for value, chain in chains.items() if chain[-1] == source), source)
+            chains.setdefault(root, []).append(name)
+        answers = [b"".join(chain) for chain in chains.values()]
+        return [(text[-len(answers[0]) :], answers)]
+    pairs, queries = options.get("num_pairs", 8), options.get("num_queries", 8)
+    stride = 1 + options.get("value_len", 1)
+    start = len(text) - len(text.lstrip(b" "))
+    remaining = [text[start + i * stride + 1 : start + (i + 1) * stride] for i in range(pairs)]
+    choices = []
+    for q in range(len(text) - queries * stride, len(text), stride):
+        answer = text[q + 1 : q + stride]
+        choices.append((answer, list(remaining)))
+        remaining.remove(answer)  # answered: the same value cannot answer a later (distinct) key
+    return choices
+
+
+def keyless_rates(
+    task: str, options: Mapping[str, Any] | None = None, samples: int = 1000, length: int = 1024
+) -> tuple[float, float]:
+    """(first answer byte, whole answer) accuracy of the best solver blind to which key goes with which fact.
+
+    It reads everything else and guesses the commonest answer among the window's facts, less those given already.
+
+    This, not a uniform guess, is the floor a model must clear before it can be said to retrieve anything: a
+    small model learns it early (on ``assoc`` with distinct queries the last answer follows by elimination), and
+    a uniform-guess chance rate far below it would make that look like recall. Estimated over ``samples`` windows
+    of the evaluation's options (seeded, so every run records the same figure).
+    """
+    options = evaluation_options(options)
+    rng = np.random.default_rng(0)
+    first, exact, count = 0.0, 0.0, 0
+    for _ in range(samples):
+        sample = RETRIEVAL_TASKS[task](length, rng, **options)
+        text = bytes([*sample.inputs.tolist(), int(sample.targets[-1])])
+        for _answer, candidates in _keyless_choices(task, text, options):
+            exact += max(candidates.count(c) for c in candidates) / len(candidates)
+            heads = [c[:1] for c in candidates]
+            first += max(heads.count(h) for h in heads) / len(heads)
+            count += 1
+    return first / count, exact / count
+
+
 RETRIEVAL_TASKS: dict[str, Callable[..., Sample]] = {  # generate(length, rng, **task_options)
     "multikey": multikey_sample,
     "vartrack": vartrack_sample,
     "assoc": assoc_sample,
 }
-TRAINING_ONLY_OPTIONS = ("random_lead",)  # options that shape training windows; evaluation never uses them
+# Options that shape training windows; evaluation never uses them.
+TRAINING_ONLY_OPTIONS = ("random_lead", "train_queries")
 
 
 class RetrievalDataset(Dataset):

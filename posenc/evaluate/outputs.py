@@ -168,6 +168,11 @@ def print_results(results: dict[str, Any]) -> None:
             rows = [r for r in results[name] if "first_byte_accuracy" in r]
             if rows:
                 chance = f"chance {rows[0]['chance_first_byte']:.3g}, exact {rows[0]['chance_exact']:.3g}"
+                if "keyless_exact" in rows[0]:
+                    chance += (
+                        f"; without matching keys {rows[0]['keyless_first_byte']:.3g}, "
+                        f"exact {rows[0]['keyless_exact']:.3g}"
+                    )
                 firsts = ", ".join(f"{r['length'] / train_len:g}x {r['first_byte_accuracy']:.2f}" for r in rows)
                 print(f"{name} first answer byte by length ({chance}): {firsts}")
     effective = results.get("effective_length")

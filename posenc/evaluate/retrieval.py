@@ -4,7 +4,9 @@ Scored by teacher-forced argmax on the answer bytes. Every answer of a window is
 many per window; the others one): ``accuracy`` is the fraction of answers whose every byte is the argmax (exactly
 when greedy decoding would produce the whole answer), ``first_byte_accuracy`` the fraction whose first byte is
 (the retrieval itself, before any copying of the rest), ``token_accuracy`` the fraction of answer bytes. Each row
-carries the chance rates of a uniform guess over the answer alphabet beside them. The same samples are drawn at a
+carries two floors beside them: the chance rates of a uniform guess over the answer alphabet, and the keyless
+rates of the best guess blind to which key goes with which fact (``keyless_rates``), the floor that recall has to
+clear. The same samples are drawn at a
 length for every model: generated from (seed, length, task) with the task options the model was trained with.
 """
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from posenc.data.retrieval import RETRIEVAL_TASKS, chance_rates, evaluation_options
+from posenc.data.retrieval import RETRIEVAL_TASKS, chance_rates, evaluation_options, keyless_rates
 from posenc.data.tasks import IGNORE
 
 
@@ -64,6 +66,7 @@ def evaluate_retrieval(
     device = device or next(model.parameters()).device
     task_index = list(RETRIEVAL_TASKS).index(task)
     chance_first, chance_exact = chance_rates(task, options)
+    keyless_first, keyless_exact = keyless_rates(task, options)
     was_training = model.training
     model.eval()
     rows = []
@@ -95,6 +98,8 @@ def evaluate_retrieval(
                     "token_accuracy": right / scored,
                     "chance_exact": chance_exact,
                     "chance_first_byte": chance_first,
+                    "keyless_exact": keyless_exact,
+                    "keyless_first_byte": keyless_first,
                 }
             )
     finally:

@@ -57,6 +57,7 @@ FIELDS = {
     "token_accuracy": "Per-byte accuracy",
 }
 CHANCE_FIELDS = {"accuracy": "chance_exact", "first_byte_accuracy": "chance_first_byte"}
+KEYLESS_FIELDS = {"accuracy": "keyless_exact", "first_byte_accuracy": "keyless_first_byte"}
 
 
 def _rows(by_label: Columns, task: str) -> list[dict[str, Any]]:
@@ -71,11 +72,17 @@ def _accuracy_fields(by_label: Columns, task: str) -> list[tuple[str, str]]:
 
 
 def _chance(by_label: Columns, task: str, field: str) -> str:
-    """`` (chance: 0.10, …)``: what a uniform guess over the answer alphabet scores on ``field``, where known."""
+    """`` (chance: 0.10, …)``: the floors ``field`` is read against, where recorded.
+
+    A uniform guess over the answer alphabet, and the best guess blind to which key goes with which fact: the floor
+    that recall must clear, far above a uniform guess where a window holds few facts.
+    """
     rows = _rows(by_label, task)
     recorded = sorted({row[CHANCE_FIELDS[field]] for row in rows if row.get(CHANCE_FIELDS.get(field, ""))})
+    keyless = sorted({row[KEYLESS_FIELDS[field]] for row in rows if row.get(KEYLESS_FIELDS.get(field, ""))})
     if recorded:
-        return " (chance: " + ", ".join(f"{value:.2g}" for value in recorded) + ", a uniform guess)"
+        blind = f"; {', '.join(f'{value:.2g}' for value in keyless)} without matching keys" if keyless else ""
+        return " (chance: " + ", ".join(f"{value:.2g}" for value in recorded) + f", a uniform guess{blind})"
     if field == "token_accuracy":
         return f" (chance: {CHANCE_PER_BYTE[task]:.2f}, guessing each answer byte)"
     return ""
