@@ -63,6 +63,21 @@ def test_no_in_length_figure_gives_none() -> None:
     assert effective_lengths(results) == {"ppl": None, "multikey": None, "vartrack": None}
 
 
+def test_a_task_at_its_floor_has_no_effective_length() -> None:
+    floors = {"keyless_exact": 0.46, "chance_exact": 0.1, "keyless_first_byte": 0.46, "chance_first_byte": 0.1}
+    # at the keyless floor in-length (guessing among the block's values): not learned, whatever it does further out
+    guessing = task_rows("assoc", 0.41, 0.40, 0.39, token_accuracy=[0.41, 0.40, 0.39])
+    results = {"train_len": 64, "assoc": [{**row, **floors} for row in guessing]}
+    assert effective_lengths(results) == {"assoc": None, "assoc_token_accuracy": None}
+    # learned (0.9 in-length): 0.75 at 2x holds, 0.46 at 4x is ≥ 0.8 × 0.5 but at the floor, so it does not
+    learned = task_rows("assoc", 0.9, 0.75, 0.46, first_byte_accuracy=[0.5, 0.46, 0.46])
+    results = {"train_len": 64, "assoc": [{**row, **floors} for row in learned]}
+    assert effective_lengths(results) == {"assoc": 128, "assoc_first_byte_accuracy": 64}
+    assert effective_lengths(results, acc_fraction=0.5) == {"assoc": 128, "assoc_first_byte_accuracy": 64}
+    # rows without floors (passkey, copy, older results) keep the plain rule
+    assert effective_lengths({"train_len": 64, "copy": task_rows("copy", 0.4, 0.4)}) == {"copy": 128}
+
+
 def test_failed_lengths_and_shorter_lengths() -> None:
     rows = [{"length": 32, "ppl": 30.0, "error": None}, *ppl_rows(10.0, 10.2, None, 10.0)]
     assert effective_lengths({"train_len": 64, "perplexity": rows}) == {"ppl": 128}  # 32 ignored, 256 failed

@@ -5,16 +5,19 @@ One number per metric answers "up to what length can this model be used?" withou
 - perplexity (``ppl``) holds at a length when its ratio to the in-length perplexity is ≤ ``ppl_ratio``
   (default 1.10: at most 10% worse than at the training length);
 - a task accuracy (``passkey``, ``copy``, a retrieval task, and each of their ``*_accuracy`` fields as
-  ``<task>_<field>``) holds when it is ≥ ``acc_fraction`` × its in-length accuracy (default 0.8). A task scored at
-  several depths (passkey) is averaged over them at each length first.
+  ``<task>_<field>``) holds when it is ≥ ``acc_fraction`` × its in-length accuracy (default 0.8) **and** above the
+  floor its rows record (``FLOORS``: the keyless floor of a retrieval task, the best guess blind to which key holds
+  which fact, else the uniform-guess chance rate, else 0). A task scored at several depths (passkey) is averaged
+  over them at each length first.
 
 The rule is contiguous: the effective length is the longest evaluated length L ≥ the training length such that
 **every** evaluated length from the training length up to L holds. A metric that fails at 2× and recovers at 4×
 has effective length 1× (the training length), never 4×: a model is usable up to a length only if it is usable at
 every length on the way. A length that failed to evaluate (an error row) does not hold. Lengths shorter than the
 training length are not considered. The value is ``None`` when there is no in-length figure to compare with (no
-row at the training length, or it failed), or when the in-length accuracy is 0 (a task never learned has no
-length at which it holds up).
+row at the training length, or it failed), or when the in-length accuracy does not clear its floor: a task never
+learned has no length at which it holds up, and a model at a retrieval task's keyless floor (it guesses among the
+window's values, or answers by elimination) has not learned the lookup, however far that guess stays level.
 
 Pure functions over a ``results.json`` dict, so the report can compute it for results written before it existed.
 """
@@ -30,6 +33,12 @@ DEFAULT_PPL_RATIO = 1.10
 DEFAULT_ACC_FRACTION = 0.8
 PERPLEXITY = "ppl"
 SLACK = 1e-9  # a figure exactly at the threshold holds, whatever the float rounding of ratio × in-length
+# Each accuracy field's floors, in the rows that record them: what a model scores without the skill measured.
+FLOORS = {
+    "accuracy": ("keyless_exact", "chance_exact"),
+    "first_byte_accuracy": ("keyless_first_byte", "chance_first_byte"),
+    "token_accuracy": ("keyless_first_byte", "chance_first_byte"),  # the first byte's: exact for one-byte answers
+}
 
 
 def check_thresholds(ppl_ratio: float, acc_fraction: float) -> None:
@@ -95,11 +104,22 @@ def effective_lengths(
             accuracy = {length: float(np.mean(accs)) for length, accs in by_length.items()}
             base = accuracy.get(train_len)
             metric = name if field == "accuracy" else f"{name}_{field}"
-            if not base:
+            floor = task_floor(task_rows, field)
+            if base is None or base <= floor + SLACK:
                 out[metric] = None
                 continue
-            out[metric] = contiguous_length(accuracy, train_len, lambda a, base=base: a >= acc_fraction * base - SLACK)
+            out[metric] = contiguous_length(
+                accuracy,
+                train_len,
+                lambda a, base=base, floor=floor: a >= acc_fraction * base - SLACK and a > floor + SLACK,
+            )
     return out
+
+
+def task_floor(rows: list[Mapping[str, Any]], field: str) -> float:
+    """The highest floor the rows record for ``field`` (0 where none is recorded: passkey, copy, older results)."""
+    recorded = [float(row[key]) for row in rows for key in FLOORS.get(field, ()) if row.get(key) is not None]
+    return max(recorded, default=0.0)
 
 
 def _is_task(rows: Any) -> bool:
