@@ -22,6 +22,7 @@ from posenc.data.retrieval import (
     keyless_rates,
     task_dataset,
 )
+from posenc.evaluate.outputs import keyless_reference
 from posenc.evaluate.retrieval import answer_spans, evaluate_retrieval
 from posenc.evaluate.runner import summary_metrics
 from posenc.evaluate.tasks import IGNORE, TaskDataset
@@ -244,6 +245,12 @@ def test_scoring_counts_an_answer_only_when_every_byte_is_right(task: str, optio
     assert first_only["chance_first_byte"] == pytest.approx(1 / 26 if task == "vartrack" else 0.1)
     blind = keyless_rates(task, options)
     assert (first_only["keyless_first_byte"], first_only["keyless_exact"]) == blind  # every row carries both floors
+
+
+def test_accuracy_plots_draw_the_keyless_floor_where_recorded() -> None:
+    rows = [{"length": 64, "accuracy": 0.5, "keyless_exact": 0.46}, {"length": 128, "accuracy": 0.4}]
+    assert keyless_reference(rows) == {"keyless floor (exact)": 0.46}
+    assert keyless_reference([{"length": 64, "accuracy": 1.0}]) == {}  # passkey, copy, older results: no line
 
 
 def test_answer_spans_split_runs_of_scored_bytes() -> None:

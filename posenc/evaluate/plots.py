@@ -78,8 +78,8 @@ def line_figure(
             band = np.asarray(band, dtype=float)
             ax.fill_between(x, y - band, y + band, alpha=0.2, color=style["color"])
             shown += list(y - band) + list(y + band)
-    for name, level in (references or {}).items():
-        ax.axhline(level, color="black", linestyle=":", linewidth=1, label=f"{name} {level:.2g}")
+    for (name, level), dash in zip((references or {}).items(), itertools.cycle((":", "-.")), strict=False):
+        ax.axhline(level, color="black", linestyle=dash, linewidth=1, label=f"{name} {level:.2g}")
         shown.append(level)
     if train_len is not None:
         ax.axvline(train_len, color="grey", linestyle="--", linewidth=1, label=f"training length {train_len}")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RATIO_MIN_SPAN
+from posenc.evaluate.outputs import keyless_reference
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
 from posenc.report.attention import attention_groups, attention_means
 from posenc.report.common import Columns, Key, mean_halfwidth, order
@@ -100,7 +101,14 @@ def task_plots(results: list[dict[str, Any]], out_dir: Path, tasks: Sequence[str
                         f"{what} accuracy",
                         train_len=train_len,
                         ylim=ACCURACY_LIMITS,
-                        references={"per-byte chance": CHANCE_PER_BYTE[task]} if suffix else None,
+                        references=(
+                            {"per-byte chance": CHANCE_PER_BYTE[task]}
+                            if suffix
+                            else keyless_reference(
+                                [row for runs in by_label.values() for run in runs for row in run[task]]
+                            )
+                        )
+                        or None,
                     )
                 )
     return images
