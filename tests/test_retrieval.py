@@ -45,8 +45,9 @@ def text_and_answer(task: str, length: int, seed: int) -> tuple[str, str, list[i
 def expected_answer(task: str, text: str) -> str:
     """The right answer, worked out from the facts in the text (not from the generator)."""
     if task == "multikey":
-        needles = dict(re.findall(r"#([A-Z]{2})=(\d{4})#", text))
-        return needles[re.search(r"\?([A-Z]{2})=\d{4}$", text).group(1)]
+        *needles, question = re.findall(r"([A-Z])(\d)", text)
+        assert len({key for key, _ in needles}) == len(needles)  # every needle's key appears once before it is asked
+        return dict(needles)[question[0]]
     if task == "vartrack":
         value = re.search(r"\?(\d{3}):[A-Z]+$", text).group(1)
         held = {}
@@ -54,7 +55,7 @@ def expected_answer(task: str, text: str) -> str:
             held[name] = held.get(source, source)
         order = [name for name, _ in re.findall(r"#([A-Z])=(\d{3}|[A-Z])#", text)]
         return "".join(name for name in order if held[name] == value)
-    block, queries = re.fullmatch(r" *((?:[a-z]\d)+) *((?:[a-z]\d)+)", text).groups()
+    block, queries = re.fullmatch(r"((?:[a-z]\d)+)\d*?((?:[a-z]\d)+)", text).groups()  # digits between them
     pairs = dict(re.findall(r"([a-z])(\d)", block))
     return "".join(pairs[key] for key in re.findall(r"([a-z])\d", queries))
 
@@ -68,24 +69,61 @@ def test_every_sample_answers_its_question_and_only_the_answer_is_scored(task: s
         assert positions[-1] == length  # the window ends with the (last) answer
 
 
-def test_multikey_keys_are_distinct() -> None:
-    text, _, _ = text_and_answer("multikey", 512, 3)
-    assert len(set(re.findall(r"#([A-Z]{2})=", text))) == 4
+def test_multikey_needles_sit_at_any_depth_and_the_question_comes_last() -> None:
+    depths = []
+    for seed in range(30):
+        text, _, _ = text_and_answer("multikey", 512, seed)
+        needles = [m.start() for m in re.finditer(r"[A-Z]\d", text)][:-1]
+        assert len(needles) == 4 and re.fullmatch(r"[a-z0-9]*", re.sub(r"[A-Z]\d", "", text[:-2]))
+        depths += [at / len(text) for at in needles]
+    assert min(depths) < 0.1 and max(depths) > 0.9  # RULER's depth: anywhere in the filler
+
+
+def test_multikey_training_windows_ask_only_needles_placed_before_each_question() -> None:
+    repeated = 0
+    for seed in range(30):
+        sample = RETRIEVAL_TASKS["multikey"](64, np.random.default_rng(seed), num_keys=4, train_queries=12)
+        scored = (sample.targets != IGNORE).nonzero().flatten().tolist()
+        text = bytes(sample.inputs.tolist()).decode()
+        items = [(m.start(), m.group(1), m.group(2)) for m in re.finditer(r"([A-Z])(\d)", text + "?")]
+        needles: dict[str, str] = {}
+        questions = []
+        for at, key, value in items:
+            if key in needles:
+                assert value == needles[key]
+                questions.append(at)
+            else:
+                needles[key] = value
+        last = int(sample.targets[-1])
+        if last != IGNORE:  # the window ends on a question's value: the key is the last input byte
+            assert text[-1] in needles and chr(last) == needles[text[-1]]
+            questions.append(len(text) - 1)
+        elif text[-1].isupper():  # ... or on a needle's value, which is no input and no target
+            needles[text[-1]] = "?"
+        assert len(needles) == 4 and len(questions) == 12  # four needles, twelve questions, each after its needle
+        assert scored == [q for q in questions]  # only the questions' values are scored (target i is byte i + 1)
+        repeated += len({text[q] for q in questions}) < 12
+    assert repeated == 30
 
 
 def assoc_text(length: int, seed: int, **options) -> tuple[str, list[int]]:
     sample = assoc_sample(length, np.random.default_rng(seed), **options)
-    text = bytes([*sample.inputs.tolist(), int(sample.targets[-1])]).decode()
+    last = int(sample.targets[-1])  # an unscored last byte (filler of a training window) is no input: shown as "?"
+    text = bytes([*sample.inputs.tolist(), last if last != IGNORE else ord("?")]).decode()
     return text, [i + 1 for i in (sample.targets != IGNORE).nonzero().flatten().tolist()]
 
 
-def query_distances(text: str, num_pairs: int, value_len: int = 1) -> list[int]:
-    """For every query, how far it sits after its key in the block (key byte to key byte)."""
-    block_start = len(text) - len(text.lstrip(" "))
+def assoc_parts(text: str, num_pairs: int, num_queries: int, value_len: int = 1) -> tuple[str, str, str]:
+    """An evaluation window's block (it opens the window), gap and queries (they close it)."""
     stride = 1 + value_len
-    keys = {text[block_start + i * stride]: block_start + i * stride for i in range(num_pairs)}
-    query_start = len(text.rstrip(" ")) - len(text.rstrip(" ").split(" ")[-1])
-    return [q - keys[text[q]] for q in range(query_start, len(text), stride)]
+    return text[: num_pairs * stride], text[num_pairs * stride : -num_queries * stride], text[-num_queries * stride :]
+
+
+def query_distances(text: str, num_pairs: int, num_queries: int, value_len: int = 1) -> list[int]:
+    """For every query, how far it sits after its key in the block (key byte to key byte)."""
+    stride = 1 + value_len
+    keys = {text[i * stride]: i * stride for i in range(num_pairs)}
+    return [q - keys[text[q]] for q in range(len(text) - num_queries * stride, len(text), stride)]
 
 
 @pytest.mark.parametrize("options", [{}, {"num_pairs": 4, "num_queries": 2, "value_len": 3}])
@@ -94,41 +132,77 @@ def test_assoc_pairs_are_fixed_and_only_the_distance_grows(options: dict) -> Non
     for seed in range(10):
         texts = {n: assoc_text(n, seed, **options) for n in (64, 256, 1024)}
         for text, scored in texts.values():
-            block = text.lstrip(" ").split(" ")[0]
-            assert len(block) == pairs * (1 + value_len) and len(set(block[:: 1 + value_len])) == pairs
-            assert len(text.rstrip(" ").split(" ")[-1]) == queries * (1 + value_len)
+            block, gap, asked = assoc_parts(text, pairs, queries, value_len)
+            assert (
+                re.fullmatch(rf"(?:[a-z]\d{{{value_len}}}){{{pairs}}}", block)
+                and len(set(block[:: 1 + value_len])) == pairs
+            )
+            assert re.fullmatch(rf"(?:[a-z]\d{{{value_len}}}){{{queries}}}", asked)
+            # the gap is digits, the values' own alphabet: a guess among the window's digits is a uniform guess
+            assert re.fullmatch(r"\d+", gap) and len(set(gap)) > 5
             # the loss mask is exactly the answer bytes: every value byte of every query, nothing else
             query_start = len(text) - queries * (1 + value_len)
             assert scored == [q + 1 + j for q in range(query_start, len(text), 1 + value_len) for j in range(value_len)]
         # the same keys, values and queries at every length; a longer window only widens the gap
         short, long = texts[64][0], texts[1024][0]
-        assert short.split() == long.split()
-        assert [d + 960 for d in query_distances(short, pairs, value_len)] == query_distances(long, pairs, value_len)
+        short_parts, long_parts = (
+            assoc_parts(short, pairs, queries, value_len),
+            assoc_parts(long, pairs, queries, value_len),
+        )
+        assert (short_parts[0], short_parts[2]) == (long_parts[0], long_parts[2])
+        assert [d + 960 for d in query_distances(short, pairs, queries, value_len)] == query_distances(
+            long, pairs, queries, value_len
+        )
     text, _ = texts[1024]
-    assert min(query_distances(text, pairs, value_len)) > 1024 - 64  # every query is past a training window
+    assert min(query_distances(text, pairs, queries, value_len)) > 1024 - 64  # every query is past a training window
 
 
-def test_assoc_random_lead_spreads_the_distances_of_training_windows() -> None:
-    leads = {len(t) - len(t.lstrip(" ")) for t, _ in (assoc_text(64, s, random_lead=True) for s in range(30))}
-    assert len(leads) > 10 and max(leads) <= 65 - 32  # a window holds length + 1 bytes, 32 of them pairs and queries
-    assert {len(t) - len(t.lstrip(" ")) for t, _ in (assoc_text(64, s) for s in range(30))} == {0}
+def training_queries(text: str, num_pairs: int, value_len: int = 1) -> list[tuple[int, str, str]]:
+    """(position, key, value) of every query after the block of a training window, read off its text."""
+    stride = 1 + value_len
+    rest = text[num_pairs * stride :]
+    return [
+        (num_pairs * stride + m.start(), m.group(1), m.group(2))
+        for m in re.finditer(rf"([a-z])(\d{{{value_len}}})", rest)
+    ]
 
 
-def test_assoc_train_queries_repeat_keys_so_no_answer_follows_by_elimination() -> None:
-    repeated = 0
-    for seed in range(20):
-        text, scored = assoc_text(64, seed, num_pairs=4, num_queries=4, train_queries=28)
-        block, queries = text.split()
-        asked = queries[::2]
-        assert len(block) == 8 and len(asked) == len(scored) == 28  # 28 answers from 4 pairs, every byte used
-        assert set(asked) <= set(block[::2])
-        assert expected_answer("assoc", text) == "".join(text[i] for i in scored)
-        repeated += len(set(asked[:4])) < 4
-    assert repeated > 0  # keys are drawn with replacement: the first four queries do not always name four keys
-    # evaluation windows ask distinct keys, however training was shaped
+@pytest.mark.parametrize(("pairs", "queries", "value_len"), [(4, 16, 1), (8, 8, 2)])
+def test_assoc_training_windows_scatter_repeated_queries_over_the_window(
+    pairs: int, queries: int, value_len: int
+) -> None:
+    stride, first_positions, last_positions, repeated = 1 + value_len, [], [], 0
+    for seed in range(40):
+        text, scored = assoc_text(64, seed, num_pairs=pairs, num_queries=2, value_len=value_len, train_queries=queries)
+        block = dict(re.findall(rf"([a-z])(\d{{{value_len}}})", text[: pairs * stride]))
+        assert len(text) == 65 and len(block) == pairs  # the block opens the window, its keys distinct
+        asked = training_queries(text, pairs, value_len)
+        assert len(asked) == queries and set(text) <= set(block) | set("0123456789?")  # keys, digits, nothing else
+        assert all(value == block[key] for _, key, value in asked)  # every query is answered by its key's value
+        # the loss mask is exactly the value bytes of the queries: nothing of the block, no filler
+        assert scored == [p + 1 + j for p, _, _ in asked for j in range(value_len)]
+        first_positions.append(asked[0][0])
+        last_positions.append(asked[-1][0])
+        repeated += len({key for _, key, _ in asked}) < queries
+    assert repeated == 40  # keys drawn with replacement: nothing follows by elimination
+    # the queries move: over the seeds, the first one sits anywhere from right after the block to deep in the window
+    assert min(first_positions) == pairs * stride and max(first_positions) > pairs * stride + 3
+    assert len(set(last_positions)) > 3 and max(last_positions) == 65 - stride
+
+
+def test_assoc_training_windows_keep_a_window_of_exactly_length_inputs() -> None:
+    for length in (40, 64, 100):
+        sample = assoc_sample(length, np.random.default_rng(0), num_pairs=4, num_queries=4, train_queries=16)
+        assert sample.inputs.shape == sample.targets.shape == (length,)
+    with pytest.raises(ValueError, match="assoc needs length ≥ 39"):
+        assoc_sample(38, np.random.default_rng(0), num_pairs=4, num_queries=4, train_queries=16)
+
+
+def test_assoc_evaluation_windows_ask_distinct_keys_however_training_was_shaped() -> None:
     evaluation = evaluation_options({"num_pairs": 4, "num_queries": 4, "train_queries": 28})
+    assert evaluation == {"num_pairs": 4, "num_queries": 4}
     text, _ = assoc_text(64, 0, **evaluation)
-    assert len(set(text.split()[1][::2])) == 4
+    assert len(set(assoc_parts(text, 4, 4)[2][::2])) == 4
     with pytest.raises(ValueError, match="train_queries must be ≥ 1 or null"):
         assoc_sample(64, np.random.default_rng(0), num_pairs=4, num_queries=4, train_queries=0)
 
@@ -158,6 +232,8 @@ def test_task_options_reach_the_dataset_and_are_checked() -> None:
     with pytest.raises(ValueError, match="task_options are for the retrieval tasks"):
         task_dataset("passkey", 64, 2, 0, options={"num_pairs": 3})
     assert chance_rates("assoc", {"value_len": 2}) == pytest.approx((0.1, 0.01))
+    assert chance_rates("multikey", {"value_len": 3}) == pytest.approx((0.1, 0.001))
+    assert chance_rates("multikey") == pytest.approx((0.1, 0.1))  # one digit by default
 
 
 @pytest.mark.parametrize(
@@ -170,8 +246,11 @@ def test_task_options_reach_the_dataset_and_are_checked() -> None:
         ("assoc", {"num_pairs": 2, "num_queries": 2}, 0.775, 0.775),
         # two pairs, one asked: no elimination
         ("assoc", {"num_pairs": 2, "num_queries": 1}, 0.55, 0.55),
-        # four needles with distinct four-digit values: one in four, whatever the filler
-        ("multikey", {"num_keys": 4}, None, 0.25),
+        # four needles, one asked: the commonest of four one-digit values, E[highest multiplicity] / 4 = 0.3835
+        # (enumerated over all 10^4 value tuples), whatever the filler
+        ("multikey", {"num_keys": 4}, 0.3835, 0.3835),
+        # four-digit values almost never agree (one in four), but their first digits do as often as above
+        ("multikey", {"num_keys": 4, "value_len": 4}, 0.3835, 0.25),
         # two chains: one in two, first variables included (every variable name is distinct)
         ("vartrack", {"num_chains": 2}, 0.5, 0.5),
     ],
@@ -184,7 +263,7 @@ def test_keyless_rates_are_the_best_guess_blind_to_keys(task: str, options: dict
     assert got_first >= got_exact and got_exact > chance_rates(task, options)[1]
     # training-only options change nothing: the floor is the evaluation's
     if task == "assoc":
-        assert keyless_rates(task, {**options, "train_queries": 9, "random_lead": True}) == (got_first, got_exact)
+        assert keyless_rates(task, {**options, "train_queries": 9}) == (got_first, got_exact)
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -230,7 +309,9 @@ class Lookup(nn.Module):
         return logits
 
 
-@pytest.mark.parametrize(("task", "options"), [("multikey", {}), ("vartrack", {}), ("assoc", {"value_len": 2})])
+@pytest.mark.parametrize(
+    ("task", "options"), [("multikey", {"value_len": 4}), ("vartrack", {}), ("assoc", {"value_len": 2})]
+)
 def test_scoring_counts_an_answer_only_when_every_byte_is_right(task: str, options: dict) -> None:
     perfect = evaluate_retrieval(Lookup(task, [64, 128], 6, 0, **options), task, [64, 128], 6, 0, options=options)
     assert [(r["length"], r["accuracy"], r["first_byte_accuracy"], r["token_accuracy"]) for r in perfect] == [

@@ -3,9 +3,11 @@
 Each generator fills a window of ``length`` inputs with random filler (lowercase letters and spaces) and places
 its facts in it with delimiters the filler never uses, so nothing but the facts can answer the question:
 
-- **multikey** (RULER's multi-key needle-in-a-haystack): ``num_keys`` needles ``#KK=dddd#`` (two capital
-  letters, four digits) at random depths; the window ends ``?KK=`` for one of them and the answer is its digits.
-  The other needles are distractors with the same shape.
+- **multikey** (RULER's multi-key needle-in-a-haystack, with MQAR's one-byte keys): ``num_keys`` needles ``Kv``
+  (a capital-letter key, distinct; ``value_len`` digits) at random depths of the filler, then ``num_queries`` of
+  them asked again (``Kv``: the key repeated, its value the answer). The needles not asked are distractors; a
+  longer window spreads the needles over more filler, so a question's distance to its needle is anything up to
+  the window.
 - **vartrack** (RULER's variable tracking): ``num_chains`` chains ``#A=ddd#``, ``#B=A#``, ``#C=B#`` … of
   ``hops`` + 1 capital-letter variables, statements in order at random depths; the window ends ``?ddd:`` with one
   chain's value and the answer is every variable of that chain, in assignment order.
@@ -16,9 +18,9 @@ its facts in it with delimiters the filler never uses, so nothing but the facts 
   supervises ``num_queries × value_len`` bytes. The number of pairs is the same at every length: a longer window
   only widens the gap, so the query–key distance is the variable a length changes (at length N every query is
   N − 2 · num_pairs · (value_len + 1) to N − 2 positions after its key, value_len 1 and num_queries = num_pairs).
-  Training windows (``random_lead``) put a random share of the spaces before the block instead, so training sees
-  every distance from 2 up to the window, and ``train_queries`` asks more queries than there are pairs, keys
-  drawn with replacement, so that no answer follows by elimination from the answers already given.
+
+``train_queries`` (assoc and multikey, training windows only) shapes training windows as Zoology's MQAR does: that
+many questions spread over the window, keys drawn with replacement. Evaluation windows keep the layout above.
 
 Samples are (inputs, targets) like passkey's: targets are ``IGNORE`` except on answer bytes, so a model trained on
 a task learns only the retrieval. Every sample is generated from a seeded generator: reproducible and endless.
@@ -38,7 +40,13 @@ from torch.utils.data import Dataset
 
 from posenc.data.tasks import DIGITS, FILLER_ALPHABET, IGNORE, Sample, TaskDataset
 
-GAP = ord(" ")  # assoc's filler: a byte no key or value uses
+# Filler drawn from the values' own alphabet: a guess among the window's digits is then a uniform guess, so the only
+# way above chance is to tell values from filler and then which value is whose. With a filler of spaces (or of
+# letters only) every digit in the window is a value, and a small model settles on the block's values as a bag, a
+# solution that delayed the key lookup past 9,000 steps on every seed but one of those tried; with digit filler the
+# lookup formed within 1,000 steps (docs: the retrieval section of the README).
+ASSOC_FILLER = DIGITS
+MULTIKEY_FILLER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", dtype=np.uint8)
 CAPITALS = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
 LOWERCASE = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
 
@@ -47,23 +55,15 @@ def _bytes(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), dtype=np.uint8)
 
 
-def _masked_sample(pieces: list[tuple[np.ndarray, bool]]) -> Sample:
+Piece = tuple[np.ndarray, bool]  # bytes, and whether they are answer bytes (scored)
+
+
+def _masked_sample(pieces: list[Piece]) -> Sample:
     """Concatenate (bytes, is_answer) pieces into a sample scored only where ``is_answer``."""
     sequence = torch.from_numpy(np.concatenate([p for p, _ in pieces]).astype(np.int64))
     answer = torch.from_numpy(np.concatenate([np.full(len(p), flag) for p, flag in pieces]))
     targets = sequence[1:].masked_fill(~answer[1:], IGNORE)
     return Sample(sequence[:-1], targets)
-
-
-def _scatter(facts: list[np.ndarray], filler_len: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Filler of ``filler_len`` bytes with ``facts`` inserted, in order, at sorted random depths."""
-    filler = rng.choice(FILLER_ALPHABET, size=filler_len)
-    cuts = np.sort(rng.integers(0, filler_len + 1, size=len(facts)))
-    pieces, previous = [], 0
-    for cut, fact in zip(cuts, facts, strict=True):
-        pieces += [filler[previous:cut], fact]
-        previous = cut
-    return [*pieces, filler[previous:]]
 
 
 def _check_room(task: str, needed: int, length: int) -> int:
@@ -85,16 +85,75 @@ def _distinct(alphabet: np.ndarray, width: int, count: int, rng: np.random.Gener
     return list(chosen)
 
 
-def multikey_sample(length: int, rng: np.random.Generator, num_keys: int = 4, value_digits: int = 4) -> Sample:
-    """``num_keys`` needles ``#KK=value#`` in filler; the window asks ``?KK=`` for one and answers its value."""
-    keys = _distinct(CAPITALS, 2, num_keys, rng)
-    values = [bytes(rng.choice(DIGITS, size=value_digits)).decode() for _ in keys]
-    needles = [_bytes(f"#{key}={value}#") for key, value in zip(keys, values, strict=True)]
-    asked = int(rng.integers(num_keys))
-    question = _bytes(f"?{keys[asked]}=")
-    needed = sum(len(n) for n in needles) + len(question) + value_digits
-    pieces = _scatter(needles, _check_room("multikey", needed, length), rng)
-    return _masked_sample([(p, False) for p in pieces] + [(question, False), (_bytes(values[asked]), True)])
+def _spread(items: list[list[Piece]], filler: np.ndarray, rng: np.random.Generator) -> list[Piece]:
+    """``items`` (each a list of (bytes, is_answer) pieces) in order, each after a random share of ``filler``."""
+    cuts = np.sort(rng.integers(0, len(filler) + 1, size=len(items)))
+    pieces, previous = [], 0
+    for cut, item in zip(cuts, items, strict=True):
+        pieces += [(filler[previous:cut], False), *item]
+        previous = cut
+    return [*pieces, (filler[previous:], False)]
+
+
+def _pair(key: np.ndarray, value: np.ndarray, asked: bool) -> list[Piece]:
+    """A one-byte key and its value; when ``asked`` the value is an answer (scored), else a fact."""
+    return [(key.reshape(1), False), (value, asked)]
+
+
+def _check_sizes(
+    task: str, facts: tuple[str, int, int], num_queries: int, value_len: int, train_queries: int | None
+) -> None:
+    """One clear line for a size a generator cannot honour."""
+    name, count, most = facts
+    if not 1 <= count <= most:
+        raise ValueError(f"{task} {name} must be in 1..{most} (one-byte keys), got {count}")
+    if not 1 <= num_queries <= count:
+        raise ValueError(f"{task} num_queries must be in 1..{name}={count} (each key asked once), got {num_queries}")
+    if value_len < 1:
+        raise ValueError(f"{task} value_len must be ≥ 1, got {value_len}")
+    if train_queries is not None and train_queries < 1:
+        raise ValueError(f"{task} train_queries must be ≥ 1 or null, got {train_queries}")
+
+
+def multikey_sample(
+    length: int,
+    rng: np.random.Generator,
+    num_keys: int = 4,
+    num_queries: int = 1,
+    value_len: int = 1,
+    train_queries: int | None = None,
+) -> Sample:
+    """``num_keys`` needles ``Kv`` at random depths of filler, then ``num_queries`` of them asked again.
+
+    A needle is a capital-letter key (distinct; the filler has no capitals) and ``value_len`` digits; a question
+    repeats a needle's key and its value is the answer: one induction step, as in ``assoc``, with the facts at any
+    depth among filler instead of in a block. The needles not asked are RULER's distractors. ``train_queries``
+    (training windows only) spreads that many questions over the window among the needles instead, each asking a
+    needle placed before it (keys with replacement), for the reason ``assoc_sample`` gives.
+    """
+    _check_sizes("multikey", ("num_keys", num_keys, len(CAPITALS)), num_queries, value_len, train_queries)
+    keys = rng.choice(CAPITALS, size=num_keys, replace=False)
+    values = rng.choice(DIGITS, size=(num_keys, value_len))
+    needles = [_pair(keys[i], values[i], asked=False) for i in range(num_keys)]
+    if train_queries is None:
+        asked = rng.choice(num_keys, size=num_queries, replace=False)
+        items_len = (num_keys + num_queries) * (1 + value_len)
+        filler = rng.choice(MULTIKEY_FILLER, size=_check_room("multikey", items_len, length))
+        questions = [piece for i in asked for piece in _pair(keys[i], values[i], asked=True)]
+        return _masked_sample([*_spread(needles, filler, rng), *questions])
+    items_len = (num_keys + train_queries) * (1 + value_len)
+    filler = rng.choice(MULTIKEY_FILLER, size=_check_room("multikey", items_len, length))
+    kinds = rng.permutation(num_keys + train_queries) < num_keys  # True: the next needle, False: a question
+    kinds[[0, int(np.argmax(kinds))]] = True, kinds[0]  # a needle comes first: every question has one to ask
+    items, placed = [], 0
+    for is_needle in kinds:
+        if is_needle:
+            items.append(needles[placed])
+            placed += 1
+        else:
+            asked = int(rng.integers(placed))
+            items.append(_pair(keys[asked], values[asked], asked=True))
+    return _masked_sample(_spread(items, filler, rng))
 
 
 def vartrack_sample(
@@ -117,8 +176,10 @@ def vartrack_sample(
     asked = int(rng.integers(num_chains))
     question, answer = _bytes(f"?{values[asked]}:"), _bytes("".join(chains[asked]))
     needed = sum(len(f) for f in facts) + len(question) + len(answer)
-    pieces = _scatter(facts, _check_room("vartrack", needed, length), rng)
-    return _masked_sample([(p, False) for p in pieces] + [(question, False), (answer, True)])
+    filler = rng.choice(FILLER_ALPHABET, size=_check_room("vartrack", needed, length))
+    return _masked_sample(
+        [*_spread([[(fact, False)] for fact in facts], filler, rng), (question, False), (answer, True)]
+    )
 
 
 def assoc_sample(
@@ -127,50 +188,39 @@ def assoc_sample(
     num_pairs: int = 8,
     num_queries: int = 8,
     value_len: int = 1,
-    random_lead: bool = False,
     train_queries: int | None = None,
 ) -> Sample:
     """MQAR: ``num_pairs`` pairs ``kv``, spaces, then ``num_queries`` queries ``kv``, each value scored.
 
-    ``train_queries`` (training windows only; evaluation drops it, ``TRAINING_ONLY_OPTIONS``) asks that many
-    queries, keys drawn *with* replacement. Distinct keys let the last queries be answered by elimination (the one
-    value of the block not yet given), a shortcut a small model finds long before it learns to match keys; with
-    replacement no elimination works, and a window can hold many more answers than it has pairs.
+    ``train_queries`` (training windows only; evaluation drops it, ``TRAINING_ONLY_OPTIONS``) shapes a window the
+    way Zoology's MQAR does: that many queries, keys drawn *with* replacement, each after a random share of the
+    spaces that follow the block. Both halves matter. Evaluation's layout (distinct keys, all queries after the gap)
+    teaches a small model two shortcuts long before any lookup: the block's values as a bag, and the last answer by
+    elimination (the one value not yet given); it stayed at that floor for tens of thousands of steps. Queries
+    spread over the whole window carry loss at every distance from the block up to the window, and keys drawn
+    with replacement leave nothing to eliminate.
     """
-    if not 1 <= num_pairs <= len(LOWERCASE):
-        raise ValueError(f"assoc num_pairs must be in 1..{len(LOWERCASE)} (one-byte keys), got {num_pairs}")
-    if not 1 <= num_queries <= num_pairs:
-        raise ValueError(
-            f"assoc num_queries must be in 1..num_pairs={num_pairs} (each key asked once), got {num_queries}"
-        )
-    if value_len < 1:
-        raise ValueError(f"assoc value_len must be ≥ 1, got {value_len}")
+    _check_sizes("assoc", ("num_pairs", num_pairs, len(LOWERCASE)), num_queries, value_len, train_queries)
     keys = rng.choice(LOWERCASE, size=num_pairs, replace=False)
     values = rng.choice(DIGITS, size=(num_pairs, value_len))
-    block = np.concatenate([np.concatenate([[key], value]) for key, value in zip(keys, values, strict=True)])
-    if train_queries is not None and train_queries < 1:
-        raise ValueError(f"assoc train_queries must be ≥ 1 or null, got {train_queries}")
+    block = [piece for i in range(num_pairs) for piece in _pair(keys[i], values[i], asked=False)]
     if train_queries is None:
         asked = rng.choice(num_pairs, size=num_queries, replace=False)
     else:
         asked = rng.choice(num_pairs, size=train_queries, replace=True)
-    num_queries = len(asked)
-    filler_len = _check_room("assoc", len(block) + num_queries * (1 + value_len), length)
-    lead = int(rng.integers(filler_len + 1)) if random_lead else 0
-    pieces = [(np.full(lead, GAP), False), (block, False), (np.full(filler_len - lead, GAP), False)]
-    for index in asked:
-        pieces += [(keys[index : index + 1], False), (values[index], True)]
-    return _masked_sample([(p.astype(np.uint8), flag) for p, flag in pieces])
+    queries = [_pair(keys[i], values[i], asked=True) for i in asked]
+    gap = rng.choice(ASSOC_FILLER, size=_check_room("assoc", (num_pairs + len(asked)) * (1 + value_len), length))
+    if train_queries is None:  # every query after the gap: the distance to the block is what a length changes
+        return _masked_sample([*block, (gap, False), *(piece for query in queries for piece in query)])
+    return _masked_sample([*block, *_spread(queries, gap, rng)])
 
 
 def chance_rates(task: str, options: Mapping[str, Any] | None = None) -> tuple[float, float]:
     """(first answer byte, whole answer) accuracy of a uniform guess over the answer's alphabet."""
     options = dict(options or {})
-    if task == "multikey":
-        first, answer_len = 1 / len(DIGITS), options.get("value_digits", 4)
-    elif task == "vartrack":
+    if task == "vartrack":
         first, answer_len = 1 / len(CAPITALS), options.get("hops", 2) + 1
-    else:
+    else:  # assoc and multikey: value_len digits
         first, answer_len = 1 / len(DIGITS), options.get("value_len", 1)
     return first, first**answer_len
 
@@ -181,9 +231,6 @@ def _keyless_choices(task: str, text: bytes, options: Mapping[str, Any]) -> list
     The candidates are what a solver that never ties a key to its fact cannot tell apart: every fact's answer,
     less those the sample has already given.
     """
-    if task == "multikey":
-        values = re.findall(rb"#[A-Z]{2}=(\d+)#", text)
-        return [(text[-len(values[0]) :], values)]
     if task == "vartrack":
         chains: dict[bytes, list[bytes]] = {}
         for name, source in re.findall(rb"#([A-Z])=(\d+|[A-Z])#", text):
@@ -191,13 +238,14 @@ def _keyless_choices(task: str, text: bytes, options: Mapping[str, Any]) -> list
             chains.setdefault(root, []).append(name)
         answers = [b"".join(chain) for chain in chains.values()]
         return [(text[-len(answers[0]) :], answers)]
-    pairs, queries = options.get("num_pairs", 8), options.get("num_queries", 8)
-    stride = 1 + options.get("value_len", 1)
-    start = len(text) - len(text.lstrip(b" "))
-    remaining = [text[start + i * stride + 1 : start + (i + 1) * stride] for i in range(pairs)]
-    choices = []
-    for q in range(len(text) - queries * stride, len(text), stride):
-        answer = text[q + 1 : q + stride]
+    # assoc and multikey: every key-value item in order, the facts first and the questions last
+    facts, key = (
+        (options.get("num_keys", 4), rb"[A-Z]") if task == "multikey" else (options.get("num_pairs", 8), rb"[a-z]")
+    )
+    queries = options.get("num_queries", 1 if task == "multikey" else 8)
+    items = re.findall(key + rb"(\d{%d})" % options.get("value_len", 1), text)
+    remaining, choices = items[:facts], []
+    for answer in items[-queries:]:
         choices.append((answer, list(remaining)))
         remaining.remove(answer)  # answered: the same value cannot answer a later (distinct) key
     return choices
@@ -235,7 +283,7 @@ RETRIEVAL_TASKS: dict[str, Callable[..., Sample]] = {  # generate(length, rng, *
     "assoc": assoc_sample,
 }
 # Options that shape training windows; evaluation never uses them.
-TRAINING_ONLY_OPTIONS = ("random_lead", "train_queries")
+TRAINING_ONLY_OPTIONS = ("train_queries",)
 
 
 class RetrievalDataset(Dataset):
