@@ -1,21 +1,21 @@
 """Retrieval tasks beside passkey, after RULER's synthetic tasks (Hsieh et al., 2024), sized for byte tokens.
 
-Each generator fills a window of ``length`` inputs with random filler (lowercase letters and spaces) and places
-its facts in it with delimiters the filler never uses, so nothing but the facts can answer the question:
+Each generator fills a window of ``length`` inputs with random filler and places its facts in it, keyed by bytes
+the filler never uses, so nothing but the facts can answer the question:
 
 - **multikey** (RULER's multi-key needle-in-a-haystack, with MQAR's one-byte keys): ``num_keys`` needles ``Kv``
-  (a capital-letter key, distinct; ``value_len`` digits) at random depths of the filler, then ``num_queries`` of
-  them asked again (``Kv``: the key repeated, its value the answer). The needles not asked are distractors; a
-  longer window spreads the needles over more filler, so a question's distance to its needle is anything up to
-  the window.
+  (a capital-letter key, distinct; ``value_len`` digits) at random depths of letter-and-digit filler, then
+  ``num_queries`` of them asked again (``Kv``: the key repeated, its value the answer). The needles not asked are
+  distractors; a longer window spreads the needles over more filler, so a question's distance to its needle is
+  anything up to the window.
 - **vartrack** (RULER's variable tracking): ``num_chains`` chains ``#A=ddd#``, ``#B=A#``, ``#C=B#`` … of
   ``hops`` + 1 capital-letter variables, statements in order at random depths; the window ends ``?ddd:`` with one
   chain's value and the answer is every variable of that chain, in assignment order.
 - **assoc**: multi-query associative recall (MQAR, Arora et al., 2024, "Zoology"), byte-sized. A block of
   ``num_pairs`` pairs ``kv`` (a one-byte key, a lowercase letter, distinct; a value of ``value_len`` digits), a gap
-  of spaces, then ``num_queries`` queries ``kv`` for distinct keys of the block: each query repeats a key and its
-  value is the answer. One-byte keys make the lookup a single induction step, and every query answers, so a window
-  supervises ``num_queries × value_len`` bytes. The number of pairs is the same at every length: a longer window
+  of random digits, then ``num_queries`` queries ``kv`` for distinct keys of the block: each query repeats a key
+  and its value is the answer. One-byte keys make the lookup a single induction step, and every query answers, so a
+  window supervises ``num_queries × value_len`` bytes. The number of pairs is the same at every length: a longer window
   only widens the gap, so the query–key distance is the variable a length changes (at length N every query is
   N − 2 · num_pairs · (value_len + 1) to N − 2 positions after its key, value_len 1 and num_queries = num_pairs).
 
@@ -190,15 +190,14 @@ def assoc_sample(
     value_len: int = 1,
     train_queries: int | None = None,
 ) -> Sample:
-    """MQAR: ``num_pairs`` pairs ``kv``, spaces, then ``num_queries`` queries ``kv``, each value scored.
+    """MQAR: ``num_pairs`` pairs ``kv``, a gap of random digits, then ``num_queries`` queries ``kv``, each value scored.
 
     ``train_queries`` (training windows only; evaluation drops it, ``TRAINING_ONLY_OPTIONS``) shapes a window the
-    way Zoology's MQAR does: that many queries, keys drawn *with* replacement, each after a random share of the
-    spaces that follow the block. Both halves matter. Evaluation's layout (distinct keys, all queries after the gap)
-    teaches a small model two shortcuts long before any lookup: the block's values as a bag, and the last answer by
-    elimination (the one value not yet given); it stayed at that floor for tens of thousands of steps. Queries
-    spread over the whole window carry loss at every distance from the block up to the window, and keys drawn
-    with replacement leave nothing to eliminate.
+    way Zoology's MQAR does: that many queries, keys drawn *with* replacement, each after a random share of the gap
+    that follows the block. Evaluation's layout (distinct keys, all queries after the gap) teaches a small model
+    to answer the last query by elimination (the one value not yet given) long before any lookup; queries spread
+    over the whole window carry loss at every distance from the block up to the window, and keys drawn with
+    replacement leave nothing to eliminate. The gap's digits (``ASSOC_FILLER``) take away the other shortcut.
     """
     _check_sizes("assoc", ("num_pairs", num_pairs, len(LOWERCASE)), num_queries, value_len, train_queries)
     keys = rng.choice(LOWERCASE, size=num_pairs, replace=False)
