@@ -221,7 +221,7 @@ def _fwd_bwd_ms(name: str, length: int) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("length", [2048, 8192, 16384])
-def test_speed_against_the_issue_targets(length: int) -> None:
+def test_speed_against_the_targets(length: int) -> None:
     """Forward+backward at 16k tokens per batch (bf16, 12 × 64) of ``auto``, as a ratio to flash without a bias."""
     flash_ms = _fwd_bwd_ms("nope", length)
     ratios = {name: _fwd_bwd_ms(name, length) / flash_ms for name in TARGETS}
