@@ -4,8 +4,9 @@ Four measurements, all configured in ``conf/bench.yaml`` (defaults: the shapes o
 
 - attention: for each length × scheme × backend, the forward and forward+backward median time, tokens/s, peak
   memory (CUDA: ``max_memory_allocated`` above what the inputs hold; CPU: not measured, "n/a"), and the ratio to
-  SDPA flash without a bias (NoPE through ``sdpa``) timed at the same length in the same process. The scheme's
-  rotation is part of the timed call, since RoPE and xPos pay for it in every layer;
+  the fastest unbiased causal attention torch offers on the machine (NoPE through SDPA as it dispatches, SDPA held
+  to each of its kernels, and FlexAttention without a score_mod, all timed at the same length in the same process;
+  the winner per mode is named). The scheme's rotation is part of the timed call, since RoPE and xPos pay for it;
 - a whole-model train step (forward, backward, AdamW) per scheme, in tokens/s and as a ratio to NoPE;
 - long context: a batch-1 attention forward of every relative scheme at ``long_context.length`` (64k by default),
   reporting its time and memory, or the error (OOM) that stopped it;
@@ -22,9 +23,6 @@ import contextlib
 import datetime
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,137 +31,46 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from posenc.attention import get_backend
 from posenc.attention.auto import choose
 from posenc.attention.flex_learnable import supports
+from posenc.bench_attention import (
+    attention_call,
+    failure,
+    fastest,
+    measure_attention,
+    median_ms,
+    peak_mib,
+    reference_backends,
+    resolve_device,
+    resolve_dtype,
+)
 from posenc.bench_compare import compare_cases, compare_markdown
 from posenc.compiling import compile_blocks, should_compile
 from posenc.config import CONF_DIR, to_container
 from posenc.encodings import build, scheme_class, stack_members
-from posenc.encodings.base import PositionalEncoding
 from posenc.jsonio import dumps
 from posenc.model import Decoder
 
-FLASH = ("nope", "sdpa")  # the reference every attention time is divided by
 
+def attention_cases(cfg: DictConfig, device: torch.device) -> tuple[list[dict], list[dict]]:
+    """Every length × scheme × backend, each time divided by the fastest unbiased attention at that length.
 
-def resolve_device(name: str) -> torch.device:
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def median_ms(
-    fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int, budget_s: float = float("inf")
-) -> float:
-    """Median wall time of ``fn`` in ms: CUDA events on a GPU, ``perf_counter`` on CPU.
-
-    Timing stops early, after at least three calls, once ``budget_s`` is spent: a case seconds long (the atomics
-    backward this benchmark exists to show) does not need ten repeats to be told apart from one taking ms.
-    """
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    for _ in range(repeats):
-        if len(times) >= 3 and sum(times) > budget_s * 1e3:
-            break
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
-
-
-def peak_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
-    """Peak CUDA memory of one call of ``fn`` above what was allocated before it (None on CPU: not measured)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def failure(err: Exception) -> str:
-    """One line saying why a case could not run (an OOM, or a backend refusing the scheme or the device)."""
-    if isinstance(err, torch.cuda.OutOfMemoryError):
-        torch.cuda.empty_cache()
-        return "OOM"
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-
-
-def attention_call(
-    encoding: PositionalEncoding, backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> Callable[[], torch.Tensor]:
-    """One attention layer's positional work: the scheme's rotation, then the backend with its bias."""
-    attend = get_backend(backend)
-    pos = torch.arange(q.shape[-2], device=q.device)
-
-    def call() -> torch.Tensor:
-        rotated_q, rotated_k = encoding.rotate(q, k, pos, pos)
-        return attend(rotated_q, rotated_k, v, encoding, pos, pos)
-
-    return call
-
-
-def measure_attention(scheme: str, backend: str, length: int, cfg: DictConfig, device: torch.device) -> dict:
-    """Forward (no grad) and forward+backward of one scheme × backend at one length."""
-    heads, head_dim = cfg.attention.heads, cfg.attention.head_dim
-    batch = max(1, cfg.attention.tokens // length)
-    dtype = resolve_dtype(cfg.dtype, device)
-    row: dict[str, Any] = {"scheme": scheme, "backend": backend, "length": length, "batch": batch}
-    encoding = build(scheme, num_heads=heads, head_dim=head_dim).to(device)
-    shape = (batch, heads, length, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad_out = torch.randn(shape, device=device, dtype=dtype)
-    call = attention_call(encoding, backend, q, k, v)
-
-    def forward() -> None:
-        with torch.no_grad():
-            call()
-
-    def train() -> None:
-        call().backward(grad_out)
-        for tensor in (q, k, v, *encoding.parameters()):
-            tensor.grad = None
-
-    tokens = batch * length
-    for mode, fn in (("forward", forward), ("train", train)):
-        try:
-            row[f"{mode}_ms"] = median_ms(fn, device, cfg.warmup, cfg.repeats, cfg.case_budget_s)
-            row[f"{mode}_tokens_per_s"] = tokens / row[f"{mode}_ms"] * 1e3
-            row[f"{mode}_peak_mib"] = peak_mib(fn, device)
-        except Exception as err:  # a refused or failed case is a result, reported as such
-            row[f"{mode}_error"] = failure(err)
-    return row
-
-
-def attention_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
-    """Every length × scheme × backend, with each time divided by SDPA flash (NoPE) at the same length.
-
-    Each length's table starts with that flash row itself. ``auto`` reuses the measurement of the backend it
+    Per length, NoPE is first timed through every reference kernel (``reference_backends``); the fastest per mode
+    is the denominator, and which one won is returned beside the rows (one entry per length) and printed. Each
+    length's table starts with the references themselves. ``auto`` reuses the measurement of the backend it
     resolves to when that one is also listed.
     """
-    rows = []
+    rows, winners = [], []
     for length in cfg.attention.lengths:
-        flash = measure_attention(*FLASH, length, cfg, device)
-        measured = {FLASH: flash}
-        cases = [FLASH] + [(s, b) for s in cfg.attention.schemes for b in cfg.attention.backends if (s, b) != FLASH]
+        measured = {}
+        for backend in reference_backends(cfg.attention.references, device):
+            measured["nope", backend] = measure_attention("nope", backend, length, cfg, device)
+        best = {mode: fastest(list(measured.values()), mode) for mode in ("forward", "train")}
+        winners.append({"length": length, **{mode: row and row["backend"] for mode, row in best.items()}})
+        print(reference_line(length, best), flush=True)
+        cases = list(measured) + [
+            (s, b) for s in cfg.attention.schemes for b in cfg.attention.backends if (s, b) not in measured
+        ]
         for scheme, backend in cases:
             encoding = build(scheme, num_heads=cfg.attention.heads, head_dim=cfg.attention.head_dim)
             resolved = choose(encoding, device.type == "cuda") if backend == "auto" else backend
@@ -172,12 +79,22 @@ def attention_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
             if (scheme, resolved) not in measured:
                 measured[scheme, resolved] = measure_attention(scheme, resolved, length, cfg, device)
             row = {**measured[scheme, resolved], "backend": backend, "resolved": resolved}
-            for mode in ("forward", "train"):
-                if f"{mode}_ms" in row and f"{mode}_ms" in flash:
-                    row[f"{mode}_x_flash"] = row[f"{mode}_ms"] / flash[f"{mode}_ms"]
+            for mode, reference in best.items():
+                if f"{mode}_ms" in row and reference is not None:
+                    row[f"{mode}_x_best"] = row[f"{mode}_ms"] / reference[f"{mode}_ms"]
             rows.append(row)
             print(case_line(row), flush=True)
-    return rows
+    return rows, winners
+
+
+def reference_line(length: int, best: dict[str, dict | None]) -> str:
+    """Which unbiased kernel was fastest at ``length``, per mode: the denominator of every ratio below it."""
+    parts = [
+        f"{name} {row['backend']} {row[f'{mode}_ms']:.3f} ms" if row else f"{name} none ran"
+        for mode, name in (("forward", "fwd"), ("train", "fwd+bwd"))
+        for row in [best[mode]]
+    ]
+    return f"fastest unbiased attention  L={length:<6} " + "  ".join(parts)
 
 
 def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
@@ -270,7 +187,7 @@ def case_line(row: dict[str, Any]) -> str:
         if f"{mode}_error" in row:
             parts.append(f"{name} failed: {row[f'{mode}_error']}")
         else:
-            parts.append(f"{name} {row[f'{mode}_ms']:10.3f} ms ({_cell(row.get(f'{mode}_x_flash'))}× flash)")
+            parts.append(f"{name} {row[f'{mode}_ms']:10.3f} ms ({_cell(row.get(f'{mode}_x_best'))}× best)")
     return f"{what} " + "  ".join(parts)
 
 
@@ -315,7 +232,7 @@ def _times(row: dict, mode: str, notes: dict[str, int]) -> list[str]:
         return [_failed(row[f"{mode}_error"], notes), "", "", ""]
     return [
         _cell(row[f"{mode}_ms"], 3),
-        _cell(row.get(f"{mode}_x_flash")),
+        _cell(row.get(f"{mode}_x_best")),
         _cell(row[f"{mode}_tokens_per_s"], 0),
         _cell(row[f"{mode}_peak_mib"], 1),
     ]
@@ -329,11 +246,20 @@ def markdown(results: dict[str, Any]) -> str:
         f" · torch {env['torch']} · {env['dtype']} · {env['date']}"
     ]
     notes: dict[str, int] = {}
-    columns = ["scheme", "backend"] + [f"{m} {c}" for m in ("fwd", "fwd+bwd") for c in ("ms", "×flash", "tok/s", "MiB")]
+    columns = ["scheme", "backend"] + [f"{m} {c}" for m in ("fwd", "fwd+bwd") for c in ("ms", "×best", "tok/s", "MiB")]
     head = "| " + " | ".join(columns) + " |"
     for length in dict.fromkeys(row["length"] for row in results["attention"]):
         rows = [row for row in results["attention"] if row["length"] == length]
-        lines += ["", f"### Attention, L = {length} (batch {rows[0]['batch']})", "", head, "|---" * 10 + "|"]
+        lines += ["", f"### Attention, L = {length} (batch {rows[0]['batch']})", ""]
+        winner = next((w for w in results.get("reference", []) if w["length"] == length), None)
+        if winner:
+            names = {mode: winner[mode] or "none ran" for mode in ("forward", "train")}
+            lines += [
+                f"×best: ratio to the fastest unbiased attention here, fwd {names['forward']},"
+                f" fwd+bwd {names['train']}.",
+                "",
+            ]
+        lines += [head, "|---" * 10 + "|"]
         for row in rows:
             backend = row["backend"] if row["backend"] == row["resolved"] else f"{row['backend']} → {row['resolved']}"
             cells = [row["scheme"], backend, *_times(row, "forward", notes), *_times(row, "train", notes)]
@@ -366,10 +292,12 @@ def markdown(results: dict[str, Any]) -> str:
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run every measurement ``cfg`` asks for; write ``bench.json`` and ``bench.md`` into ``out_dir``."""
     device = resolve_device(cfg.device)
+    attention, reference = attention_cases(cfg, device)
     results = {
         "environment": environment(device, resolve_dtype(cfg.dtype, device)),
         "config": to_container(cfg),
-        "attention": attention_cases(cfg, device),
+        "attention": attention,
+        "reference": reference,
         "train_step": train_step_cases(cfg, device) if cfg.train_step.schemes else [],
         "long_context": long_context_cases(cfg, device),
         "compare": compare_cases(cfg.compare, device) if cfg.compare.schemes else [],

@@ -10,11 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
+from torch.profiler import ProfilerActivity, profile
 
 from posenc import bench_compare
 from posenc.bench import markdown, run
+from posenc.bench_attention import attention_call, fastest, reference_backends
 from posenc.config import CONF_DIR
+from posenc.encodings import build
 
 TINY = [
     "device=cpu",
@@ -48,20 +52,32 @@ def test_bench_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFi
     assert sum(line.startswith("attention") for line in printed) == len(saved["attention"])
     assert sum(line.startswith("long context") for line in printed) == len(saved["long_context"])
     assert any(line.startswith("train step") and " t5 " in line and "× NoPE" in line for line in printed)
-    assert any(" t5 " in line and "flex_learnable" in line and "× flash" in line for line in printed)
+    assert any(" t5 " in line and "flex_learnable" in line and "× best" in line for line in printed)
     assert saved["environment"]["device"].startswith("cpu") and saved["environment"]["torch"]
     assert (tmp_path / "bench.md").read_text() == markdown(results)
 
     rows = {(r["length"], r["scheme"], r["backend"]): r for r in saved["attention"]}
+    winners = {w["length"]: w for w in saved["reference"]}
     for length in (32, 64):
+        # NoPE through every unbiased kernel the CPU has; the fastest per mode is every ratio's denominator.
+        references = [rows[length, "nope", backend] for backend in ("sdpa", "sdpa:flash")]
+        for mode in ("forward", "train"):
+            best = min((r for r in references if f"{mode}_ms" in r), key=lambda r: r[f"{mode}_ms"])
+            assert winners[length][mode] == best["backend"] and best[f"{mode}_x_best"] == 1.0
+            assert all(r[f"{mode}_x_best"] >= 1.0 for r in references if f"{mode}_ms" in r)
+            t5 = rows[length, "t5", "sdpa"]
+            assert t5[f"{mode}_x_best"] == pytest.approx(t5[f"{mode}_ms"] / best[f"{mode}_ms"])
+        assert (length, "nope", "flex") not in rows  # uncompiled and forward-only on CPU: no reference there
+        assert any(line.startswith(f"fastest unbiased attention  L={length} ") for line in printed)
         flash = rows[length, "nope", "sdpa"]
-        assert flash["train_x_flash"] == 1.0 and flash["forward_x_flash"] == 1.0
         assert flash["batch"] * length == 64 and flash["train_tokens_per_s"] > 0
         assert flash["train_peak_mib"] is None  # not measured on CPU, and said so
         # flex_learnable only where a bias is learnable; auto names what it resolved to.
         assert (length, "alibi", "flex_learnable") not in rows
-        assert rows[length, "t5", "flex_learnable"]["train_x_flash"] > 0
+        assert rows[length, "t5", "flex_learnable"]["train_x_best"] > 0
         assert rows[length, "t5", "auto"]["resolved"] == "sdpa"
+    names = f"fwd {winners[32]['forward']}, fwd+bwd {winners[32]['train']}."
+    assert names in (tmp_path / "bench.md").read_text()  # the table says what its ratios are divided by
     step = {r["scheme"]: r for r in saved["train_step"]}
     assert step["nope"]["x_nope"] == 1.0 and step["t5"]["tokens_per_s"] > 0
     long = {r["scheme"] for r in saved["long_context"]}
@@ -74,7 +90,7 @@ def test_bench_reports_a_failure_as_a_result(tmp_path: Path) -> None:
     # train step through it fails the same way, and the run goes on to the next scheme.
     overrides = ["attention.lengths=[32]", "attention.schemes=[alibi]", "attention.backends=[flex]"]
     results = run(_compose(*overrides, "train_step.attention=flex", "long_context.length=null"), tmp_path)
-    (flex,) = [r for r in results["attention"] if r["backend"] == "flex"]
+    (flex,) = [r for r in results["attention"] if r["backend"] == "flex" and r["scheme"] == "alibi"]
     assert flex["forward_ms"] > 0 and "cannot train on CPU" in flex["train_error"]
     step = {r["scheme"]: r for r in results["train_step"]}
     assert "cannot train on CPU" in step["alibi"]["error"] and "tokens_per_s" not in step["alibi"]
@@ -167,3 +183,51 @@ def test_bench_command_line(tmp_path: Path) -> None:
     written = list((tmp_path / "bench").glob("*/bench.md"))
     assert len(written) == 1 and "### Attention, L = 64" in written[0].read_text()
     assert "wrote" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("reference", "kernel"),
+    [
+        ("sdpa:flash", "aten::_scaled_dot_product_flash_attention_for_cpu"),
+        ("sdpa", "aten::scaled_dot_product_attention"),
+    ],
+)
+def test_a_reference_runs_its_kernel_and_refuses_a_bias(reference: str, kernel: str) -> None:
+    q, k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(3))
+    call = attention_call(build("nope", num_heads=2, head_dim=8), reference, q, k, v)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = call()
+        out.sum().backward()
+    assert kernel in {event.name for event in prof.events()}
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_held_kernel_is_only_for_attention_without_a_position_signal() -> None:
+    q = k = v = torch.randn(1, 2, 8, 8)
+    for scheme in ("alibi", "rope", "alibi_dd"):
+        with pytest.raises(ValueError, match="reference without a bias or rotation"):
+            attention_call(build(scheme, num_heads=2, head_dim=8), "sdpa:flash", q, k, v)
+    with pytest.raises(RuntimeError):  # a kernel the device lacks fails the case, which the table reports
+        attention_call(build("nope", num_heads=2, head_dim=8), "sdpa:cudnn", q, k, v)()
+
+
+def test_the_fastest_reference_is_chosen_per_mode_among_those_that_ran() -> None:
+    rows = [
+        {"backend": "sdpa", "forward_ms": 2.0, "train_ms": 5.0},
+        {"backend": "flex", "forward_ms": 1.5, "train_error": "no backward"},
+        {"backend": "sdpa:cudnn", "forward_error": "no kernel", "train_error": "no kernel"},
+        {"backend": "sdpa:flash", "forward_ms": 1.8, "train_ms": 4.0},
+    ]
+    assert fastest(rows, "forward")["backend"] == "flex"  # a failed backward does not cost it the forward
+    assert fastest(rows, "train")["backend"] == "sdpa:flash"
+    assert fastest(rows[2:3], "train") is None
+    # Every kernel torch has on a GPU competes there; a list in the config is taken as given.
+    assert reference_backends("auto", torch.device("cuda")) == [
+        "sdpa",
+        "sdpa:flash",
+        "sdpa:cudnn",
+        "sdpa:efficient",
+        "flex",
+    ]
+    assert reference_backends(["sdpa"], torch.device("cuda")) == ["sdpa"]

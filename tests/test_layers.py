@@ -36,6 +36,7 @@ LAYERS = {
     "training": 10,
     "report": 10,
     "bench_compare": 10,
+    "bench_attention": 10,
     "bench": 11,
     "gpucheck": 11,
     "train": 11,

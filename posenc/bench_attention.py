@@ -1,0 +1,172 @@
+"""Timing one attention call: the helpers ``posenc.bench`` and the GPU tests share, and the unbiased references.
+
+A ratio "× the fastest unbiased attention" is only honest if the denominator really is the fastest that torch
+offers on the machine at hand; the references below are each timed in the same process, and the winner per mode
+(forward, forward+backward) divides every scheme's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from posenc.attention import get_backend
+from posenc.encodings import build
+from posenc.encodings.base import PositionalEncoding
+
+
+def resolve_device(name: str) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+# Unbiased causal attention held to one SDPA kernel. Which is fastest depends on the GPU, the head dim and torch's
+# version (published H100 figures put SDPA's flash kernel, FlashAttention-2, 1.6-1.7x behind cuDNN's for training
+# shapes), so the benchmark times each one it can run and divides by the winner, not by what SDPA dispatches to.
+SDPA_KERNELS = {
+    "sdpa:flash": "FLASH_ATTENTION",
+    "sdpa:cudnn": "CUDNN_ATTENTION",
+    "sdpa:efficient": "EFFICIENT_ATTENTION",
+}
+
+
+def reference_backends(setting: str | list[str], device: torch.device) -> list[str]:
+    """The unbiased kernels NoPE is timed through, the fastest per mode being every ratio's denominator.
+
+    ``auto`` on CUDA: SDPA as it dispatches, SDPA held to each of its flash, cuDNN and memory-efficient kernels,
+    and FlexAttention without a score_mod. On CPU: SDPA as it dispatches and held to its flash kernel; FlexAttention
+    is left out there, since it runs uncompiled on CPU (materialising every score) and has no CPU backward.
+    """
+    if setting != "auto":
+        return list(setting)
+    if device.type != "cuda":
+        return ["sdpa", "sdpa:flash"]
+    return ["sdpa", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "flex"]
+
+
+def fastest(rows: list[dict[str, Any]], mode: str) -> dict[str, Any] | None:
+    """The row with the shortest ``mode`` time among those that ran (None if none did)."""
+    timed = [row for row in rows if f"{mode}_ms" in row]
+    return min(timed, key=lambda row: row[f"{mode}_ms"]) if timed else None
+
+
+def median_ms(
+    fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int, budget_s: float = float("inf")
+) -> float:
+    """Median wall time of ``fn`` in ms: CUDA events on a GPU, ``perf_counter`` on CPU.
+
+    Timing stops early, after at least three calls, once ``budget_s`` is spent: a case seconds long (the atomics
+    backward this benchmark exists to show) does not need ten repeats to be told apart from one taking ms.
+    """
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    for _ in range(repeats):
+        if len(times) >= 3 and sum(times) > budget_s * 1e3:
+            break
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def peak_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Peak CUDA memory of one call of ``fn`` above what was allocated before it (None on CPU: not measured)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def failure(err: Exception) -> str:
+    """One line saying why a case could not run (an OOM, or a backend refusing the scheme or the device)."""
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
+        return "OOM"
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+
+
+def attention_call(
+    encoding: PositionalEncoding, backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], torch.Tensor]:
+    """One attention layer's positional work: the scheme's rotation, then the backend with its bias.
+
+    ``backend`` is a posenc backend, or one of the ``SDPA_KERNELS`` (SDPA held to one kernel, no bias: the
+    references, for NoPE only).
+    """
+    if backend in SDPA_KERNELS:
+        if encoding.adds_bias or encoding.adds_content_bias or encoding.rotates:
+            raise ValueError(f"{backend} is a reference without a bias or rotation; {encoding.name} has one")
+        kernel = getattr(SDPBackend, SDPA_KERNELS[backend])
+
+        def reference() -> torch.Tensor:
+            with sdpa_kernel(kernel):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return reference
+    attend = get_backend(backend)
+    pos = torch.arange(q.shape[-2], device=q.device)
+
+    def call() -> torch.Tensor:
+        rotated_q, rotated_k = encoding.rotate(q, k, pos, pos)
+        return attend(rotated_q, rotated_k, v, encoding, pos, pos)
+
+    return call
+
+
+def measure_attention(scheme: str, backend: str, length: int, cfg: DictConfig, device: torch.device) -> dict:
+    """Forward (no grad) and forward+backward of one scheme × backend at one length."""
+    heads, head_dim = cfg.attention.heads, cfg.attention.head_dim
+    batch = max(1, cfg.attention.tokens // length)
+    dtype = resolve_dtype(cfg.dtype, device)
+    row: dict[str, Any] = {"scheme": scheme, "backend": backend, "length": length, "batch": batch}
+    encoding = build(scheme, num_heads=heads, head_dim=head_dim).to(device)
+    shape = (batch, heads, length, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device=device, dtype=dtype)
+    call = attention_call(encoding, backend, q, k, v)
+
+    def forward() -> None:
+        with torch.no_grad():
+            call()
+
+    def train() -> None:
+        call().backward(grad_out)
+        for tensor in (q, k, v, *encoding.parameters()):
+            tensor.grad = None
+
+    tokens = batch * length
+    for mode, fn in (("forward", forward), ("train", train)):
+        try:
+            row[f"{mode}_ms"] = median_ms(fn, device, cfg.warmup, cfg.repeats, cfg.case_budget_s)
+            row[f"{mode}_tokens_per_s"] = tokens / row[f"{mode}_ms"] * 1e3
+            row[f"{mode}_peak_mib"] = peak_mib(fn, device)
+        except Exception as err:  # a refused or failed case is a result, reported as such
+            row[f"{mode}_error"] = failure(err)
+    return row
