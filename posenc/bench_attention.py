@@ -36,9 +36,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 # version (published H100 figures put SDPA's flash kernel, FlashAttention-2, 1.6-1.7x behind cuDNN's for training
 # shapes), so the benchmark times each one it can run and divides by the winner, not by what SDPA dispatches to.
 SDPA_KERNELS = {
-    "sdpa:flash": "FLASH_ATTENTION",
-    "sdpa:cudnn": "CUDNN_ATTENTION",
-    "sdpa:efficient": "EFFICIENT_ATTENTION",
+    "sdpa:flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa:cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa:efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
 
 
@@ -123,7 +123,7 @@ def attention_call(
     if backend in SDPA_KERNELS:
         if encoding.adds_bias or encoding.adds_content_bias or encoding.rotates:
             raise ValueError(f"{backend} is a reference without a bias or rotation; {encoding.name} has one")
-        kernel = getattr(SDPBackend, SDPA_KERNELS[backend])
+        kernel = SDPA_KERNELS[backend]
 
         def reference() -> torch.Tensor:
             with sdpa_kernel(kernel):
