@@ -132,6 +132,44 @@ def test_sliding_scores_each_token_once_with_more_context() -> None:
     assert sliding.loss != disjoint.loss  # later positions (more context) are the ones scored
 
 
+def test_sliding_with_a_stride_that_does_not_divide_scores_every_target_once() -> None:
+    # A context-free model gives each target the same loss however it is windowed: any target scored twice or
+    # missed, or a total divided by the wrong count, moves the mean away from the disjoint windows' figure.
+    model = Bigram()
+    for stride in (24, 40, 7):
+        (sliding,) = evaluate_lengths(model, stream(), [64], mode="sliding", stride=stride, max_tokens=2048)
+        (disjoint,) = evaluate_lengths(model, stream(), [64], mode="nonoverlap", max_tokens=2048)
+        assert sliding.tokens == 2048
+        assert sliding.loss == pytest.approx(disjoint.loss, rel=1e-12), stride
+
+
+class ShapeRecorder(nn.Module):
+    """Uniform logits, recording every input shape: each new shape is one compilation of a static-shape model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dummy = nn.Parameter(torch.zeros(()))
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.shapes.add(tuple(tokens.shape))
+        return torch.zeros(*tokens.shape, VOCAB) + self.dummy
+
+
+def test_sliding_evaluation_runs_at_most_two_shapes_per_length() -> None:
+    # Stride 4 to 16x a length of 16 would be ~1,000 windows; partial windows at the stream's start used to be one
+    # shape each, which past dynamo's recompile limit stops a GPU evaluation.
+    model = ShapeRecorder()
+    lengths = [16 * m for m in (1, 2, 4, 8, 16)]
+    rows = evaluate_lengths(
+        model, stream(9000), lengths, mode="sliding", stride=4, max_tokens=8192, tokens_per_batch=600
+    )
+    assert all(row.ppl == pytest.approx(VOCAB, rel=1e-6) for row in rows)
+    for length in lengths:
+        assert len({shape for shape in model.shapes if shape[1] == length}) <= 2, length
+    assert {shape[1] for shape in model.shapes} == set(lengths)
+
+
 def test_loss_by_position_follows_the_model() -> None:
     (row,) = evaluate_lengths(Counter(), stream(), [32], max_tokens=2048)
     assert len(row.loss_by_position) == 32

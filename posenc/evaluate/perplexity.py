@@ -6,6 +6,13 @@ Two ways to cut a held-out stream into windows (the ALiBi paper, Section 4 and A
   so early tokens of each window have little context. This is what the ALiBi paper's Table 2 reports.
 - ``sliding`` with ``stride`` s: windows of length L advance by s and only their last s targets are scored, so
   every token (after the first L) sees L - s .. L - 1 tokens of context. ``stride = L`` is exactly ``nonoverlap``.
+  The first window scores all its L targets: a causal model predicts target t of the window starting at 0 from
+  tokens 0 .. t - 1 whatever the window's length, so the shorter windows at the start of the stream would only
+  repeat those predictions, each at a shape of its own (one compilation each on a GPU). When s does not divide
+  N - L, one last window ends exactly at N and scores the targets left over.
+
+Every window of a length has that length, and windows go in batches of one size plus at most one smaller batch:
+at most two input shapes per length, whatever the stride.
 
 The scored span is the first ``N`` targets of the stream, with N a multiple of every length, so each length's
 number is an average over identical tokens and lengths are directly comparable. Every figure states N.
@@ -74,12 +81,16 @@ def scored_span(available: int, lengths: Sequence[int], max_tokens: int | None) 
 
 
 def _windows(span: int, length: int, stride: int) -> list[tuple[int, int, int]]:
-    """(input start, input end, first scored target index within the window) covering targets 1..span."""
-    out = []
-    for end in range(stride, span + 1, stride):
-        start = max(0, end - length)
-        first_scored = end - stride - start  # score only the last `stride` targets of this window
-        out.append((start, end, first_scored))
+    """(input start, input end, first scored target index within the window) covering targets 1..span once each.
+
+    Every window is ``length`` long (``span`` is a multiple of ``length``); see the module docstring.
+    """
+    out = [(0, length, 0)]
+    scored = length  # targets 1..scored are done
+    while scored < span:
+        end = min(scored + stride, span)
+        out.append((end - length, end, length - (end - scored)))
+        scored = end
     return out
 
 
@@ -121,24 +132,18 @@ def evaluate_lengths(
                 continue
             total = torch.zeros((), dtype=torch.float64)
             by_position = torch.zeros(length, dtype=torch.float64)
-            position_count = torch.zeros(length, dtype=torch.float64)
-            full, partial = [], []
-            for window in _windows(span, length, step):
-                (full if window[1] - window[0] == length else partial).append(window)
+            windows = _windows(span, length, step)
             batch = max(1, tokens_per_batch // length)
-            groups = [full[i : i + batch] for i in range(0, len(full), batch)] + [[w] for w in partial]
-            for group in groups:
+            for group in (windows[i : i + batch] for i in range(0, len(windows), batch)):
                 inputs = torch.stack([stream[s:e] for s, e, _ in group]).to(device)
                 targets = torch.stack([stream[s + 1 : e + 1] for s, e, _ in group]).to(device)
                 logits = model(inputs)
                 losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").double().cpu()
                 for row, (s, e, first) in enumerate(group):
                     total += losses[row, first:].sum()
-                    width = e - s
-                    by_position[:width] += losses[row]
-                    position_count[:width] += 1
+                    by_position += losses[row]
             result.loss = float(total / span)
-            result.loss_by_position = (by_position / position_count.clamp(min=1)).tolist()
+            result.loss_by_position = (by_position / len(windows)).tolist()
             results.append(result)
     finally:
         model.train(was_training)
