@@ -139,7 +139,7 @@ def evaluate_lengths(
                 targets = torch.stack([stream[s + 1 : e + 1] for s, e, _ in group]).to(device)
                 logits = model(inputs)
                 losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").double().cpu()
-                for row, (s, e, first) in enumerate(group):
+                for row, (_, _, first) in enumerate(group):
                     total += losses[row, first:].sum()
                     by_position += losses[row]
             result.loss = float(total / span)
