@@ -1,4 +1,4 @@
-"""How posenc runs on the device at hand: the one switch for its CUDA-only branches, and compiled modules run eagerly.
+"""How posenc runs on the device at hand: its CUDA-only branches, fp32 under autocast, compiled modules run eagerly.
 
 Several fast paths exist only on CUDA: FlexAttention compiled once per process, ``auto`` sending biased schemes to
 ``flex`` or ``flex_learnable``, the fused rotation kernel. Each asks ``cuda_path(tensor)`` rather than
@@ -10,9 +10,14 @@ GPU, how a compiled block traces on a GPU: its graph breaks, and its values and 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
+import torch
 from torch import Tensor, nn
+
+Fn = TypeVar("Fn", bound=Callable)
 
 _forced = False
 
@@ -51,3 +56,20 @@ def eager_modules(model: nn.Module) -> Iterator[None]:
     finally:
         for module, call in compiled.items():
             module._compiled_call_impl = call
+
+
+def full_precision(fn: Fn) -> Fn:
+    """Run ``fn`` with autocast off, so the fp32 arithmetic it is written in stays fp32 under bf16-mixed training.
+
+    Autocast rewrites matmul-like ops (``einsum``, ``matmul``, ``linear``) to bf16 whatever their inputs: a
+    ``.float()`` before them does not keep them in fp32. Bias arithmetic, the softmax backward's per-row terms and
+    the dense reference are meant in fp32 (distances past 256 are not exact in bf16), so each such function is
+    wrapped; under torch.compile the context is traced into the graph, custom backwards included.
+    """
+
+    @functools.wraps(fn)
+    def in_fp32(*args: object, **kwargs: object) -> object:
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return in_fp32  # type: ignore[return-value]

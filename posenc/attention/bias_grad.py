@@ -10,7 +10,7 @@ output gradient dO, never build an (L × L) tensor and never add into a paramete
   sums of dS along the ``horizon`` diagonals next to the main one give every entry but the last, and the last is
   minus their total. The band is computed in query chunks against a key window (O(L · horizon) work and memory).
 
-Everything here runs in fp32 (bias arithmetic, dS, the reductions), whatever the activations' dtype.
+Everything here runs in fp32 (bias arithmetic, dS, the reductions), whatever the activations' dtype, autocast off.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posenc.encodings.base import ScoreMod, TableForm
+from posenc.runtime import full_precision
 
 # (q, k, v, score_mod) -> (out (B, H, L, D), lse (B, H, L) fp32): one causal attention forward.
 Attend = Callable[[Tensor, Tensor, Tensor, ScoreMod], tuple[Tensor, Tensor]]
@@ -31,6 +32,7 @@ BAND_CHUNK = 64  # queries per chunk of the band: the key window is BAND_CHUNK +
 BAND_MAX_ELEMENTS = 1 << 24  # scores held at once by the band pass (64 MiB in fp32 per temporary)
 
 
+@full_precision
 def row_deltas(out: Tensor, dout: Tensor) -> Tensor:
     """Δ_i = dO_i · O_i (B, H, L) in fp32: the softmax backward's per-row term."""
     return torch.einsum("bhld,bhld->bhl", dout.float(), out.float())
@@ -47,6 +49,7 @@ def with_log_factor(score_mod: ScoreMod | None, log_factor: ScoreMod) -> ScoreMo
     return shifted
 
 
+@full_precision
 def derivative_sums(
     q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dout: Tensor, deltas: Tensor, shifted_mod: ScoreMod, attend: Attend
 ) -> Tensor:
@@ -58,6 +61,7 @@ def derivative_sums(
     return torch.where(weight > 0, weight * per_row, 0.0).sum(dim=(0, 2))
 
 
+@full_precision
 def diagonal_sums(
     q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dout: Tensor, deltas: Tensor, band_bias: Tensor
 ) -> Tensor:

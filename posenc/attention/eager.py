@@ -1,4 +1,4 @@
-"""The reference backend: the textbook formula, dense and in fp32. Obviously correct, O(L²) memory.
+"""The reference backend: the textbook formula, dense and in fp32 (autocast off). Obviously correct, O(L²) memory.
 
 ``attention_weights`` is the same formula stopped at the probabilities: what attention maps and attention
 statistics read, so they show exactly what the reference computes.
@@ -13,8 +13,10 @@ from torch import Tensor
 
 from posenc.attention import register_backend
 from posenc.encodings.base import PositionalEncoding
+from posenc.runtime import full_precision
 
 
+@full_precision
 def attention_weights(q: Tensor, k: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """fp32 causal attention probabilities (B, H, Lq, Lk) of rotated q (B, H, Lq, D) over rotated k (B, H, Lk, D)."""
     scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
@@ -28,6 +30,7 @@ def attention_weights(q: Tensor, k: Tensor, encoding: PositionalEncoding, q_pos:
 
 
 @register_backend("eager", query_suffix=True)
+@full_precision
 def eager_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from posenc.attention import register_backend
 from posenc.encodings.base import PositionalEncoding
-from posenc.runtime import cuda_path
+from posenc.runtime import cuda_path, full_precision
 
 MAX_MASK_ELEMENTS = 1 << 24  # per head: 16M entries, 64 MiB in fp32
 MAX_CONTENT_ELEMENTS = 1 << 22  # over batch and heads: 16 MiB per fp32 temporary (DAPE's MLP holds 8-32 of them)
@@ -138,6 +138,7 @@ def sdpa_with_bias(
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 
+@full_precision
 def sdpa_with_content_bias(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from posenc.attention import refuse_content_bias, register_backend
+from posenc.attention.bias_grad import row_deltas
 from posenc.encodings.base import PositionalEncoding
 
 BLOCK_M = 64  # queries per program (and per tile)
@@ -123,7 +124,7 @@ class TableAttention(torch.autograd.Function):
         q, k, v, out, lse, table = ctx.saved_tensors
         batch, heads, length, head_dim = q.shape
         dout = dout.to(q.dtype).contiguous()
-        delta = torch.einsum("bhld,bhld->bhl", dout.float(), out.float()).contiguous()  # Δ_i = dO_i · O_i
+        delta = row_deltas(out, dout).contiguous()  # Δ_i = dO_i · O_i in fp32, autocast or not
         dq, dk, dv = (torch.empty_like(dout) for _ in range(3))
         bias_grad = ctx.has_bias and ctx.needs_input_grad[3]
         dtable = torch.zeros(heads, length, device=q.device, dtype=torch.float32) if bias_grad else None

@@ -56,7 +56,7 @@ class ALiBi(PositionalEncoding):
         d = torch.arange(num_distances, device=self.slopes.device, dtype=torch.float32)
         return -self.slopes[:, None] * d
 
-    def score_mod(self, detached: bool = False) -> ScoreMod:
+    def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod:
         slopes = self.slopes  # a buffer: constant either way
 
         def alibi(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

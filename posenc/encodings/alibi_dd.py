@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from posenc.encodings import register
 from posenc.encodings.alibi import alibi_slopes
 from posenc.encodings.base import PositionalEncoding
+from posenc.runtime import full_precision
 
 
 @register
@@ -45,6 +46,7 @@ class DataDependentALiBi(PositionalEncoding):
         slopes = torch.tensor(alibi_slopes(num_heads), dtype=torch.float64)
         self.gate_bias = nn.Parameter((-torch.log(torch.expm1(slopes))).float())
 
+    @full_precision
     def log_gates(self, k: Tensor) -> Tensor:
         """Log f (B, H, Lk) in fp32 from keys (B, H, Lk, D)."""
         logits = torch.einsum("bhkd,hd->bhk", k.float(), self.gate_weight.float()) + self.gate_bias.float()[:, None]

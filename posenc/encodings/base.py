@@ -104,6 +104,7 @@ class PositionalEncoding(nn.Module):
     - ``adds_bias``: ``bias``/``score_mod`` are not ``None``.
     - ``rotates``: ``rotate`` is not the identity.
     - ``adds_content_bias``: ``content_bias`` is not ``None`` (a bias that reads q and k, not only positions).
+    - ``score_mod_differentiable``: FlexAttention may differentiate ``score_mod`` with respect to its parameters.
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
     """
 
@@ -113,6 +114,11 @@ class PositionalEncoding(nn.Module):
     rotates: ClassVar[bool] = False
     adds_content_bias: ClassVar[bool] = False
     reads_scores: ClassVar[bool] = False  # content_bias reads q·kᵀ/√D, which a backend may pass it (``scores``)
+    # FlexAttention can differentiate the score_mod's trainable tensors: each is indexed at most once per score.
+    # Inductor refuses a score_mod that indexes one trainable tensor several times (an MLP unrolled over its hidden
+    # units), and would otherwise add into it once per index and score; such a scheme says False, and a backend then
+    # trains its bias another way.
+    score_mod_differentiable: ClassVar[bool] = True
 
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -213,12 +219,15 @@ class PositionalEncoding(nn.Module):
         """
         return False
 
-    def score_mod(self, detached: bool = False) -> ScoreMod | None:
+    def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod | None:
         """The bias as a FlexAttention score_mod over (q_idx, kv_idx), or ``None`` when there is no bias.
 
         It must equal ``bias`` for positions ``q_idx``, ``kv_idx`` and keep its arithmetic in fp32. With
         ``detached=True`` it reads its parameters detached: the same values, but FlexAttention then treats the bias
         as a constant, which a backend wants when it differentiates the parameters by ``bias_gradient_forms``.
+        ``num_distances``, when a backend knows it (the window's length), bounds the causal distances the kernel asks
+        for: a scheme whose per-score formula is costly may then read a table of that many entries instead, built
+        once per call in O(H · L), as long as the result equals ``bias``.
         """
         if self.adds_bias:
             raise NotImplementedError(f"{self.name} adds a bias but offers no score_mod")

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
+from posenc.runtime import full_precision
 
 
 @register
@@ -41,6 +42,7 @@ class CoPE(PositionalEncoding):
         self.num_embeddings = num_positions
         self.embeddings = nn.Parameter(torch.zeros(num_positions, head_dim))
 
+    @full_precision
     def contextual_positions(
         self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None
     ) -> Tensor:
@@ -51,6 +53,7 @@ class CoPE(PositionalEncoding):
         gates = gates.masked_fill(k_pos[None, :] > q_pos[:, None], 0.0)
         return gates.flip(-1).cumsum(-1).flip(-1)  # suffix sums over keys: Σ_{t ≥ j, t ≤ i} g_it
 
+    @full_precision
     def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None) -> Tensor:
         positions = self.contextual_positions(q, k, q_pos, k_pos, scores).clamp(max=self.num_embeddings - 1)
         logits = torch.einsum("bhqd,nd->bhqn", q.float(), self.embeddings.float())  # z_i[n] (B, H, Lq, P)

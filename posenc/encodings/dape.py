@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register, scheme_class
 from posenc.encodings.base import PositionalEncoding
+from posenc.runtime import full_precision
 
 
 @register
@@ -47,6 +48,7 @@ class DAPE(PositionalEncoding):
         hidden = F.leaky_relu(hidden + self.hidden.bias.float()[:, None, None])
         return torch.einsum("bwqk,hw->bhqk", hidden, self.out.weight.float()) + self.out.bias.float()[:, None, None]
 
+    @full_precision
     def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None) -> Tensor:
         logits = scores  # A, when the backend has it
         if logits is None:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding, ScoreMod
+from posenc.runtime import full_precision
 
 EPS = 1e-6  # keeps ψ(max(L, i)) away from 0 (the paper's code adds it to the normaliser)
 
@@ -31,6 +32,7 @@ class FIRE(PositionalEncoding):
 
     name = "fire"
     adds_bias = True
+    score_mod_differentiable = False  # the unrolled MLP indexes each weight once per hidden unit (module docstring)
 
     def __init__(
         self, num_heads: int, head_dim: int, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float = 512.0
@@ -51,6 +53,7 @@ class FIRE(PositionalEncoding):
         normaliser = torch.log1p(c * torch.maximum(q_pos.to(torch.float32), threshold)) + EPS
         return torch.log1p(c * d) / normaliser
 
+    @full_precision
     def mlp(self, x: Tensor) -> Tensor:
         """f_θ on fp32 inputs x (...) → (..., H)."""
         return self.out(torch.relu(self.hidden(x[..., None].to(self.hidden.weight.dtype)))).float()
@@ -59,7 +62,7 @@ class FIRE(PositionalEncoding):
         x = self.normalised(q_pos[:, None], k_pos[None, :])  # (Lq, Lk)
         return self.mlp(x).permute(2, 0, 1)  # (H, Lq, Lk)
 
-    def score_mod(self, detached: bool = False) -> ScoreMod:
+    def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod:
         params = [
             self.c,
             self.threshold_multiplier,
@@ -71,18 +74,19 @@ class FIRE(PositionalEncoding):
         if detached:
             params = [p.detach() for p in params]
         c, multiplier, w1, b1, w2, b2 = params
-        w1, b1 = w1[:, 0], b1  # (W,), (W,)
-        init_threshold, width = self.init_threshold, self.mlp_width
+        # The MLP unrolled over its hidden units, pointwise ops only (what a compiled score_mod needs): one tensor per
+        # unit, each read whole or at the head, rather than an index by a constant unit number into shared weights.
+        units = list(zip(w1[:, 0].unbind(), b1.unbind(), w2.unbind(1), strict=True))  # (), (), (H,) per unit
+        init_threshold = self.init_threshold
 
         def fire(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             c_abs = c.float().abs()
             threshold = (multiplier.float() * init_threshold).abs()
             d = (q_idx - kv_idx).to(torch.float32).clamp(min=0)
             x = torch.log1p(c_abs * d) / (torch.log1p(c_abs * torch.maximum(q_idx.to(torch.float32), threshold)) + EPS)
-            # The MLP unrolled over its hidden units: pointwise ops only, which a compiled score_mod needs.
             out = b2[h].float()
-            for unit in range(width):
-                out = out + w2[h, unit].float() * torch.relu(w1[unit].float() * x + b1[unit].float())
+            for weight, offset, head_weights in units:
+                out = out + head_weights[h].float() * torch.relu(weight.float() * x + offset.float())
             return score + out
 
         return fire

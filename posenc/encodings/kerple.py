@@ -51,7 +51,7 @@ class _Kerple(PositionalEncoding):
         d = torch.arange(num_distances, device=self.r1.device, dtype=torch.float32)[None]
         return self.kernel(d, self.r1.float()[:, None], self.r2.float()[:, None])
 
-    def score_mod(self, detached: bool = False) -> ScoreMod:
+    def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod:
         r1, r2, kernel = self.r1, self.r2, self.kernel
         if detached:
             r1, r2 = r1.detach(), r2.detach()

@@ -51,7 +51,19 @@ class Sandwich(PositionalEncoding):
         d = torch.arange(num_distances, device=self.frequencies.device, dtype=torch.float32)
         return self.kernel(d)[None] / self.compression[:, None]
 
-    def score_mod(self, detached: bool = False) -> ScoreMod:
+    def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod:
+        if num_distances is not None:
+            # d'/2 cosines per score, and again in the backward, cost more than the attention itself: with the
+            # window's length known, one (H, L) table holds every distance the kernel can ask for.
+            table = self.distance_bias(num_distances)
+            last = num_distances - 1
+
+            def sandwich_table(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                # Clamped: the causal mask drops j > i afterwards, and padded rows of a tile may reach past L.
+                return score + table[h, (q_idx - kv_idx).clamp(0, last)]
+
+            return sandwich_table
+
         frequencies, compression, half = self.frequencies, self.compression, self.dim / 2
 
         def sandwich(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

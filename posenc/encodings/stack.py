@@ -32,6 +32,7 @@ class Stack(PositionalEncoding):
         self.rotates = any(m.rotates for m in members)
         self.adds_content_bias = any(m.adds_content_bias for m in members)
         self.reads_scores = any(m.reads_scores for m in members)
+        self.score_mod_differentiable = all(m.score_mod_differentiable for m in members)
 
     @property
     def label(self) -> str:
@@ -76,8 +77,9 @@ class Stack(PositionalEncoding):
             return None
         return sum(terms[1:], terms[0])
 
-    def score_mod(self, detached: bool = False) -> ScoreMod | None:
-        mods = [mod for mod in (m.score_mod(detached=detached) for m in self.parts) if mod is not None]
+    def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod | None:
+        mods = [m.score_mod(detached=detached, num_distances=num_distances) for m in self.parts]
+        mods = [mod for mod in mods if mod is not None]
         if not mods:
             return None
         if len(mods) == 1:

@@ -62,7 +62,7 @@ class T5Bias(PositionalEncoding):
         d = torch.arange(num_distances, device=self.table.device)
         return self.table.float()[:, self.bucket(d)]
 
-    def score_mod(self, detached: bool = False) -> ScoreMod:
+    def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod:
         table, num_buckets, max_distance = self.table, self.num_buckets, self.max_distance
         if detached:
             table = table.detach()
