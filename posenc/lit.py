@@ -26,6 +26,19 @@ class DivergedError(RuntimeError):
         self.step = step
 
 
+LOSS, GRADIENT = 1, 2  # what became non-finite first (the device-side record's codes)
+
+
+def finite_check_interval(device: torch.device, log_every_n_steps: int) -> int:
+    """How often (in steps) the host reads the device's record of a non-finite loss or gradient.
+
+    Reading it is a host sync: free on CPU (every step), a pipeline stall per step on a GPU, where it is read at
+    every logging step instead, before every checkpoint, and at the end of training. The step and value reported
+    are still those of the first non-finite step, recorded on the device as it happened.
+    """
+    return 1 if device.type == "cpu" else max(1, log_every_n_steps)
+
+
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier: linear warmup from ~0 to 1, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
     if step < warmup_steps:
@@ -49,6 +62,32 @@ class LitDecoder(L.LightningModule):
         self.optim = config["optim"]
         self.max_steps = int(config["trainer"]["max_steps"])
         self.val_loss = MeanMetric()  # token-weighted mean over the whole validation set, synced across ranks
+        # The first non-finite step: its number, what (LOSS or GRADIENT) and the loss then; -1 while none.
+        self.register_buffer("nonfinite_step", torch.tensor(-1), persistent=False)
+        self.register_buffer("nonfinite_what", torch.tensor(0), persistent=False)
+        self.register_buffer("nonfinite_loss", torch.tensor(0.0), persistent=False)
+        self.check_every = 1
+
+    def on_fit_start(self) -> None:
+        self.check_every = finite_check_interval(self.device, self.trainer.log_every_n_steps)
+
+    def record_nonfinite(self, bad: Tensor, what: int, loss: Tensor | None = None) -> None:
+        """Note on the device, without a host sync, the first step where ``bad`` (a 0-d bool) holds."""
+        first = (self.nonfinite_step < 0) & bad
+        step = torch.tensor(self.global_step, device=self.device)
+        self.nonfinite_step.copy_(torch.where(first, step, self.nonfinite_step))
+        self.nonfinite_what.copy_(torch.where(first, what, self.nonfinite_what))
+        if loss is not None:
+            self.nonfinite_loss.copy_(torch.where(first, loss.detach().float(), self.nonfinite_loss))
+
+    def raise_if_diverged(self) -> None:
+        """Stop the run if a non-finite loss or gradient was recorded (one host sync)."""
+        step = int(self.nonfinite_step)
+        if step < 0:
+            return
+        if int(self.nonfinite_what) == LOSS:
+            raise DivergedError(step, f"the training loss became {float(self.nonfinite_loss)}")
+        raise DivergedError(step, "a gradient became non-finite")
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.model(tokens)
@@ -56,17 +95,27 @@ class LitDecoder(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, targets = batch
         loss = self.model.loss(inputs, targets)
-        if not torch.isfinite(loss):
-            raise DivergedError(self.global_step, f"the training loss became {loss.item()}")
+        self.record_nonfinite(~torch.isfinite(loss), LOSS, loss)
         self.log_dict({"train/loss": loss, "train/ppl": loss.exp()}, prog_bar=True)
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # A finite loss can still give an infinite gradient; stepping on it would write NaN weights into the
-        # next checkpoint, so the last checkpoint on disk stays the last good one.
+        # A finite loss can still give an infinite gradient. One fused norm over every gradient is non-finite
+        # exactly when some entry is; the weights it produces never reach a checkpoint (on_save_checkpoint).
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads and not torch.stack([g.isfinite().all() for g in grads]).all():
-            raise DivergedError(self.global_step, "a gradient became non-finite")
+        if grads:
+            self.record_nonfinite(~torch.stack(torch._foreach_norm(grads)).isfinite().all(), GRADIENT)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_step % self.check_every == 0:
+            self.raise_if_diverged()
+
+    def on_train_end(self) -> None:
+        self.raise_if_diverged()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Raised before Lightning writes the file: the last checkpoint on disk stays the last good one.
+        self.raise_if_diverged()
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, targets = batch

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers import FAST, compose_train
 from omegaconf import OmegaConf
 
+import posenc.lit
 import posenc.model
 from posenc.data.cache import tokenized_splits
 from posenc.data.corpora import Corpus
@@ -178,6 +180,61 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
     assert not (tmp_path / DONE_FILE).exists() and not (tmp_path / "eval").exists()
     assert json.loads((tmp_path / FAILED_FILE).read_text())["step"] == 3
     assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")[0] == 2
+
+
+def test_a_nan_found_at_a_later_check_is_reported_at_its_step_and_never_checkpointed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on a GPU, where the record of a non-finite loss is read every few steps: the NaN of step 3 is found at the
+    # check after step 4's checkpoint would have been written, so that checkpoint must be refused.
+    monkeypatch.setattr(posenc.lit, "finite_check_interval", lambda device, log_every: 5)
+    _nan_from_call(monkeypatch, 4)
+    overrides = [*FAST, "trainer.max_steps=8", "checkpoint_every_n_steps=2", "trainer.val_check_interval=100"]
+    with pytest.raises(RunError, match=r"the training loss became nan at step 3; the last good"):
+        train(compose_train("+encoding=alibi", *overrides), tmp_path)
+    assert json.loads((tmp_path / FAILED_FILE).read_text())["step"] == 3
+    assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")[0] == 2
+
+
+class HostReads:
+    """Counts what makes the host wait for a device: reading a tensor's value into Python."""
+
+    READS = ("item", "tolist", "__bool__", "__int__", "__float__", "numpy")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counting(name, original))
+
+    def _counting(self, name, original):
+        def read(tensor, *args, **kwargs):
+            self.calls.append(name)
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+
+def test_a_training_step_reads_nothing_back_to_the_host_between_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from posenc.lit import LitDecoder
+
+    config = OmegaConf.to_container(compose_train("+encoding=alibi", *FAST), resolve=True)
+    module = LitDecoder(config, vocab_size=257)
+    module.log_dict = lambda *args, **kwargs: None  # Lightning's logging is its own business
+    module.check_every = 50
+    batch = (torch.randint(0, 257, (2, 16)), torch.randint(0, 257, (2, 16)))
+    loss = module.model.loss(*batch)  # the model's own forward is not what this test reads
+    loss.backward(retain_graph=True)
+    module.model.loss = lambda inputs, targets: loss
+    reads = HostReads(monkeypatch)
+    module.training_step(batch, 0)
+    module.on_before_optimizer_step(None)
+    module.on_train_batch_end(loss, batch, 0)  # global_step 0 is a check step: step 1 is not
+    assert reads.calls == ["__int__"], reads.calls  # the one check
+    reads.calls.clear()
+    module.training_step(batch, 1)
+    module.on_before_optimizer_step(None)
+    assert reads.calls == [], reads.calls
 
 
 def test_an_infinite_gradient_stops_the_run(tmp_path: Path) -> None:
