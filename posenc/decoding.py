@@ -22,15 +22,21 @@ from torch import Tensor, nn
 
 
 class LayerCache:
-    """One layer's cached keys (unrotated) and values (B, H, Lk, D) and their positions (Lk,)."""
+    """One layer's cached keys (unrotated) and values (B, H, Lk, D) and their positions (Lk,).
+
+    ``length`` counts the cached positions on the host: the decoder numbers positions 0, 1, 2, ... so it is also
+    the next position, known without reading a device tensor back (a host sync per decoded token on a GPU).
+    """
 
     def __init__(self) -> None:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.pos: Tensor | None = None
+        self.length = 0
 
     def extend(self, k: Tensor, v: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Append the new keys, values and positions; return the whole cache (keys, values, positions)."""
+        self.length += pos.shape[0]
         if self.k is None:  # the prompt: positions stay the queries' own tensor, so backends see self-attention
             self.k, self.v, self.pos = k, v, pos
         else:
@@ -48,8 +54,7 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        pos = self.layers[0].pos
-        return 0 if pos is None else int(pos[-1]) + 1
+        return self.layers[0].length
 
 
 def sample_next(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -29,3 +31,22 @@ FAST = [
 def compose_train(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))
+
+
+class HostReads:
+    """Counts what makes the host wait for a device: reading a tensor's value into Python."""
+
+    READS = ("item", "tolist", "__bool__", "__int__", "__float__", "numpy")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counting(name, original))
+
+    def _counting(self, name, original):
+        def read(tensor, *args, **kwargs):
+            self.calls.append(name)
+            return original(tensor, *args, **kwargs)
+
+        return read

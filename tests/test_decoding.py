@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import SCHEMES
+from conftest import make as make_scheme
+from helpers import HostReads
 
 from posenc.attention import available_backends, decoding_backend, get_backend
 from posenc.attention.eager import attention_weights
@@ -132,3 +134,47 @@ def test_attention_maps_refuse_what_they_cannot_hold() -> None:
         model.attention_maps(torch.zeros(1, 4, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="too large to return"):
         model.attention_maps(torch.zeros(4, 4096, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("name", ["alibi", "rope", "t5"])
+def test_decoding_steps_read_nothing_back_to_the_host(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU, every value read into Python (the next position, a mask's key built from device tensors) stalls the
+    # pipeline once per token and layer. After the prompt, a decoding step must read nothing.
+    import posenc.attention.sdpa as sdpa
+
+    model = tiny(name)
+    tokens = torch.randint(0, VOCAB, (2, 3 * TRAIN_LEN))
+    cache = KVCache(len(model.blocks))
+    with torch.no_grad():
+        model(tokens[:, :TRAIN_LEN], cache=cache)
+        cached = len(sdpa.MASKS.masks)
+        reads = HostReads(monkeypatch)
+        for position in range(TRAIN_LEN, tokens.shape[1]):
+            model(tokens[:, position : position + 1], cache=cache)
+    assert reads.calls == [] and cache.length == tokens.shape[1]
+    assert len(sdpa.MASKS.masks) == cached  # one-use masks of decoding steps are not kept
+
+
+def test_unbiased_queries_over_cached_keys_keep_sdpa_off_boolean_masks() -> None:
+    # A boolean mask (all true for one query) keeps SDPA off its flash kernel on a GPU: one query needs no mask, a
+    # few queries over cached keys need causality aligned to the bottom right, which torch expresses itself.
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+    from torch.overrides import TorchFunctionMode
+
+    masks = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                masks.append((kwargs or {}).get("attn_mask"))
+            return func(*args, **(kwargs or {}))
+
+    enc, k_pos = make_scheme("rope"), torch.arange(20)
+    k, v = torch.randn(2, 4, 20, 8), torch.randn(2, 4, 20, 8)
+    for queries in (1, 5):
+        q = torch.randn(2, 4, queries, 8)
+        with Recording():
+            got = get_backend("sdpa")(q, k, v, enc, k_pos[-queries:], k_pos)
+        torch.testing.assert_close(got, get_backend("eager")(q, k, v, enc, k_pos[-queries:], k_pos))
+    assert masks[0] is None
+    assert isinstance(masks[1], CausalBias) and masks[1].variant == CausalVariant.LOWER_RIGHT

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, compose_train
+from helpers import FAST, HostReads, compose_train
 from omegaconf import OmegaConf
 
 import posenc.lit
@@ -194,25 +194,6 @@ def test_a_nan_found_at_a_later_check_is_reported_at_its_step_and_never_checkpoi
         train(compose_train("+encoding=alibi", *overrides), tmp_path)
     assert json.loads((tmp_path / FAILED_FILE).read_text())["step"] == 3
     assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")[0] == 2
-
-
-class HostReads:
-    """Counts what makes the host wait for a device: reading a tensor's value into Python."""
-
-    READS = ("item", "tolist", "__bool__", "__int__", "__float__", "numpy")
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls: list[str] = []
-        for name in self.READS:
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._counting(name, original))
-
-    def _counting(self, name, original):
-        def read(tensor, *args, **kwargs):
-            self.calls.append(name)
-            return original(tensor, *args, **kwargs)
-
-        return read
 
 
 def test_a_training_step_reads_nothing_back_to_the_host_between_checks(monkeypatch: pytest.MonkeyPatch) -> None:

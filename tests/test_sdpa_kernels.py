@@ -142,3 +142,15 @@ def test_mask_cache_is_bounded_in_bytes() -> None:
     assert cache.get("large", lambda: built.append(1) or torch.zeros(64)).numel() == 64
     assert "large" not in cache.masks and built == [1]
     assert cache.get(None, lambda: torch.ones(2)).tolist() == [1.0, 1.0] and None not in cache.masks
+
+
+def test_content_bias_chunks_are_sized_from_the_gpus_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CPU's cache-sized chunks would be ~800 SDPA calls per layer for a 16K window of 12 heads on an H100.
+    class H100:
+        total_memory = 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: H100)
+    assert sdpa.content_chunk_elements(torch.device("cpu")) == sdpa.MAX_CONTENT_ELEMENTS
+    on_gpu = sdpa.content_chunk_elements(torch.device("cuda", 0))
+    assert on_gpu * 4 * sdpa.CONTENT_TEMPORARIES <= H100.total_memory // 4  # a bounded share of the memory
+    assert -(-16384 // (on_gpu // (12 * 16384))) <= 64  # chunks per layer at 16K, 12 heads

@@ -7,7 +7,8 @@ fp32 and cast to the activations' dtype, since SDPA requires them to match: unde
 distances past 256 lose exactness), which is one reason ``auto`` prefers ``flex`` for biased schemes on GPU.
 
 A content-dependent bias (``adds_content_bias``: CoPE, DAPE, data-dependent ALiBi) is one (B, H, Lq, Lk) tensor per
-batch, so its query chunks are sized by ``MAX_CONTENT_ELEMENTS`` over batch and heads together; each chunk's bias
+batch, so its query chunks are sized over batch and heads together (``content_chunk_elements``: a CPU's caches, a
+GPU's memory); each chunk's bias
 is computed from that chunk's queries and the keys it may see (the scheme's rows need nothing else). A content
 bias that varies along a row only through a per-key term (the scheme's ``key_bias``: data-dependent ALiBi) needs no
 (Lq × Lk) tensor: the term rides in one extra channel of q and k, and SDPA runs its fused kernel with a causal
@@ -30,13 +31,16 @@ from collections.abc import Callable, Hashable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from posenc.attention import register_backend
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path, full_precision
 
 MAX_MASK_ELEMENTS = 1 << 24  # per head: 16M entries, 64 MiB in fp32
-MAX_CONTENT_ELEMENTS = 1 << 22  # over batch and heads: 16 MiB per fp32 temporary (DAPE's MLP holds 8-32 of them)
+MAX_CONTENT_ELEMENTS = 1 << 22  # on CPU, over batch and heads: 16 MiB per fp32 temporary, cache-sized
+CONTENT_TEMPORARIES = 32  # fp32 temporaries per content-bias element at once (DAPE's MLP holds 8-32 of them)
+CONTENT_MEMORY_FRACTION = 8  # a chunk's temporaries may take 1/8 of a GPU's memory
 MAX_FOLDED_ROWS = 1024  # a folded key term spans ≤ 1024 positions' worth of decay per chunk: fp32-exact enough
 MAX_CACHED_BYTES = 1 << 28  # 256 MiB of kept masks: an 8-head fp32 mask up to L = 2048, or a few shorter ones
 
@@ -73,10 +77,12 @@ MASKS = MaskCache(MAX_CACHED_BYTES)
 def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Hashable | None:
     """What a causal bias mask depends on (the scheme's ``bias_key``, the positions, the dtype), or ``None``.
 
-    ``None`` also under torch.compile: the key reads tensor values on the host, and a compiled graph fuses the bias
-    into its own kernels anyway.
+    The key reads positions and parameter values on the host: free on CPU, a device sync per layer elsewhere, so
+    only CPU masks are kept (on a GPU the mask is rebuilt, one elementwise pass). ``None`` also under
+    torch.compile (a compiled graph fuses the bias into its own kernels) and for queries over cached keys, whose
+    mask serves one decoding step only.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or q_pos.device.type != "cpu" or q_pos is not k_pos:
         return None
     scheme = encoding.bias_key()
     if scheme is None:
@@ -98,8 +104,12 @@ def sdpa_attention(
     if not encoding.adds_bias:
         if q_pos is k_pos:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        causal = k_pos[None, :] <= q_pos[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+        # Queries over cached keys are the last Lq key positions (the query-suffix contract): causal aligned to the
+        # bottom right, which is no mask at all for one query and torch's lower-right causal bias otherwise. Both
+        # leave SDPA its flash kernels on a GPU, where an all-true boolean mask would send it to another kernel.
+        if q.shape[-2] == 1:
+            return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
     return sdpa_with_bias(q, k, v, encoding.bias, q_pos, k_pos, key=mask_key(encoding, q_pos, k_pos, q.dtype))
 
 
@@ -138,6 +148,19 @@ def sdpa_with_bias(
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 
+def content_chunk_elements(device: torch.device) -> int:
+    """(query, key) pairs over batch and heads that one chunk of a content bias may hold on ``device``.
+
+    On CPU a cache-sized constant; on a GPU a share of its memory (``CONTENT_MEMORY_FRACTION``) over the chunk's fp32
+    temporaries: with the CPU's size, a 16K window of 12 heads would run ~800 SDPA calls per layer, each too small
+    to fill the GPU; with an H100's 80 GB it runs ~40.
+    """
+    if device.type != "cuda":
+        return MAX_CONTENT_ELEMENTS
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(MAX_CONTENT_ELEMENTS, total // CONTENT_MEMORY_FRACTION // (4 * CONTENT_TEMPORARIES))
+
+
 @full_precision
 def sdpa_with_content_bias(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
@@ -151,7 +174,7 @@ def sdpa_with_content_bias(
     """
     self_attention = q_pos is k_pos
     batch, heads, length, _ = q.shape
-    rows = max(1, MAX_CONTENT_ELEMENTS // (batch * heads * k.shape[-2]))
+    rows = max(1, content_chunk_elements(q.device) // (batch * heads * k.shape[-2]))
     share_scores = encoding.reads_scores and not cuda_path(q)
     chunks = []
     for start in range(0, length, rows):
