@@ -48,9 +48,13 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
 
 
 class LitDecoder(L.LightningModule):
-    """Trains a ``Decoder``; ``config`` is the run's full resolved config, saved in every checkpoint."""
+    """Trains a ``Decoder``; ``config`` is the run's full resolved config, saved in every checkpoint.
 
-    def __init__(self, config: dict[str, Any], vocab_size: int) -> None:
+    ``precision`` is the precision Lightning trained in, ``auto`` resolved (``bf16-mixed`` on a GPU): kept in the
+    checkpoint, so an evaluation of it later runs in the precision the weights were trained in.
+    """
+
+    def __init__(self, config: dict[str, Any], vocab_size: int, precision: str | None = None) -> None:
         super().__init__()
         # In every checkpoint, not in the loggers: the run's loggers get the config once, from posenc.training.
         self.save_hyperparameters(logger=False)

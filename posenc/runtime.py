@@ -73,3 +73,30 @@ def full_precision(fn: Fn) -> Fn:
             return fn(*args, **kwargs)
 
     return in_fp32  # type: ignore[return-value]
+
+
+def resolve_precision(requested: str, accelerator: str) -> str:
+    """``auto`` → bf16-mixed where a CUDA GPU supports bf16, fp32 everywhere else (CPU bf16 is slow)."""
+    if requested != "auto":
+        return requested
+    on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}  # Lightning's precision, by its number
+FULL_PRECISIONS = ("32", "64")
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """What Lightning's ``precision`` setting runs a forward under: autocast for the half precisions, else nothing.
+
+    Evaluation uses it so that a model is scored in the precision it trained in (``bf16-mixed`` on a GPU), not in
+    fp32: the in-length figure then matches training's, and a backend that needs half precision (the ``triton``
+    table kernels past head dim 64) runs as it did in training.
+    """
+    number = str(precision).split("-")[0]
+    if number in FULL_PRECISIONS:
+        return contextlib.nullcontext()
+    if number not in AUTOCAST_DTYPES:
+        raise ValueError(f"unknown trainer.precision {precision!r}: use 32-true, bf16-mixed or 16-mixed")
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[number])

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 
 from posenc.evaluate import RESULTS_FILE
@@ -37,6 +36,7 @@ from posenc.runs import (
     write_failed,
     write_json,
 )
+from posenc.runtime import resolve_precision
 
 # Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
 # training windows are numbered, and a resumed run starts after those it trained on (TokenAccounting).
@@ -57,14 +57,6 @@ def route_lightning_logging() -> None:
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
         logger.propagate = True
-
-
-def resolve_precision(requested: str, accelerator: str) -> str:
-    """``auto`` → bf16-mixed where a CUDA GPU supports bf16, fp32 everywhere else (CPU bf16 is slow)."""
-    if requested != "auto":
-        return requested
-    on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-    return "bf16-mixed" if on_gpu and torch.cuda.is_bf16_supported() else "32-true"
 
 
 class TokenAccounting(Callback):
@@ -183,7 +175,7 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
     run_dir.mkdir(parents=True, exist_ok=True)
     if config["logger"].get("kind") == "wandb" and not config["logger"].get("id"):
         config["logger"] = {**config["logger"], "id": wandb_id(run_dir)}  # a resumed run continues its W&B run
-    module = LitDecoder(config, vocab_size=datamodule.vocab_size)
+    module = LitDecoder(config, vocab_size=datamodule.vocab_size, precision=trainer_cfg["precision"])
     label = module.model.label
     info = run_info(config, label, data_info)
     seq_len = config["data"]["seq_len"]

@@ -295,8 +295,33 @@ def test_standalone_evaluate_writes_results(trained_run: Path, tmp_path: Path) -
     assert result.returncode == 0, result.stderr[-2000:]
     saved = json.loads((trained_run / "eval_sliding_s8_multiples1-2_max_tokens512" / "results.json").read_text())
     assert saved["label"] == "alibi" and [r["length"] for r in saved["perplexity"]] == [16, 32]
+    assert saved["precision"] == "32-true"  # trained on CPU in fp32: evaluated in it
     assert (trained_run / "eval_sliding_s8_multiples1-2_max_tokens512" / "ppl_vs_length.png").exists()
     assert list(tmp_path.iterdir()) == []  # nothing written to the working directory
+
+
+def test_a_bf16_mixed_run_is_evaluated_in_bf16_mixed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-length figure must come from the precision training used, at the end of training and later from the
+    # checkpoint; fp32 evaluation of a bf16-trained run would also refuse backends that need half precision.
+    import posenc.model
+
+    seen: list[torch.dtype] = []
+    forward = posenc.model.Attention.forward
+
+    def recording(self, x, pos, cache=None):
+        if not torch.is_grad_enabled():
+            seen.append(self.qkv(x).dtype)
+        return forward(self, x, pos, cache)
+
+    monkeypatch.setattr(posenc.model.Attention, "forward", recording)
+    run_dir = tmp_path / "run"
+    train(compose_train("+encoding=alibi", *FAST, "trainer.precision=bf16-mixed"), run_dir)
+    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    assert results["precision"] == "bf16-mixed" and seen and set(seen) == {torch.bfloat16}
+    from posenc.runs.checkpoints import load_module
+
+    module, _ = load_module(run_dir / "checkpoints" / "last.ckpt", "cpu", None)
+    assert module.hparams.precision == "bf16-mixed"
 
 
 def test_evaluate_refuses_a_checkpoint_config_mismatch(trained_run: Path, tmp_path: Path) -> None:

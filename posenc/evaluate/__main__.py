@@ -72,7 +72,14 @@ def _main(cfg: DictConfig) -> None:
         )
     info = {**run_info(config, module.model.label, data_info), "training": training}
     try:
-        results = evaluate_model(module.model, run_info=info, eval_cfg=eval_cfg, stream=stream, task=task)
+        results = evaluate_model(
+            module.model,
+            run_info=info,
+            eval_cfg=eval_cfg,
+            stream=stream,
+            task=task,
+            precision=module.hparams.precision,
+        )
     except ValueError as err:  # a setting the model cannot honour (e.g. RoPE scaling of a model without RoPE)
         raise RunError(str(err)) from None
     trained_eval = config.get("eval") or {}

@@ -26,6 +26,7 @@ from posenc.evaluate.retrieval import evaluate_retrieval_tasks
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.evaluate.wandb_tables import log_results
 from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
+from posenc.runtime import precision_context
 
 __all__ = ["TASK_NAMES", "ExtrapolationEval", "evaluate_model", "print_results", "replace_outputs", "write_outputs"]
 
@@ -74,16 +75,21 @@ def evaluate_model(
     eval_cfg: dict[str, Any],
     stream: np.ndarray | None,
     task: str | None,
+    precision: str = "32-true",
 ) -> dict[str, Any]:
     """All extrapolation figures of ``model`` as one JSON-ready dict.
 
     ``run_info`` carries label, train_len, seed, encoding; ``stream`` is the held-out token stream for
     language-modelling runs (``None`` for task runs); ``task`` is the synthetic task a model was trained on.
+    ``precision`` is the one it trained in (Lightning's setting, recorded in the results): the forward runs under
+    it, so the in-length figure is training's and every backend runs as it did there.
     Compiled blocks run uncompiled here (``posenc/compiling.py``): a static graph per evaluation shape would cost
     one compilation per length for a single pass; the attention kernels stay compiled.
     """
-    with eager_blocks(model):
-        return _evaluate(model, run_info, eval_cfg, stream, task)
+    device = next(model.parameters()).device
+    with eager_blocks(model), precision_context(precision, device):
+        results = _evaluate(model, run_info, eval_cfg, stream, task)
+    return {**results, "precision": precision}
 
 
 def _evaluate(
@@ -225,6 +231,7 @@ class ExtrapolationEval(Callback):
             eval_cfg=self.eval_cfg,
             stream=stream,
             task=self.task,
+            precision=str(trainer.precision),
         )
         images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
         print_results(self.results)

@@ -100,9 +100,12 @@ def checkpoint_training(path: Path, config: Mapping[str, Any]) -> dict[str, Any]
 def load_module(checkpoint: Path, device: str, attention: str | None) -> tuple[LitDecoder, dict[str, Any]]:
     """The trained module and its config from a checkpoint (optionally with another attention backend).
 
-    The blocks are never compiled here: evaluation runs them uncompiled (``posenc/compiling.py``).
+    The blocks are never compiled here: evaluation runs them uncompiled (``posenc/compiling.py``). The module's
+    ``hparams.precision`` is the precision it trained in; a checkpoint from before it was recorded gets its config's
+    setting resolved for the device evaluated on (``auto``: bf16-mixed on a GPU).
     """
     from posenc.lit import LitDecoder
+    from posenc.runtime import resolve_precision
 
     state = load_checkpoint(checkpoint)
     try:
@@ -112,7 +115,10 @@ def load_module(checkpoint: Path, device: str, attention: str | None) -> tuple[L
         raise RunError(f"{checkpoint} is not a posenc checkpoint (no saved config: missing {err})") from None
     if attention is not None:
         config = {**config, "attention": {"name": attention}}
-    module = LitDecoder({**config, "compile": False}, vocab_size=hparams["vocab_size"])
+    precision = hparams.get("precision") or resolve_precision(
+        config["trainer"].get("precision", "auto"), "cuda" if str(device).startswith("cuda") else "cpu"
+    )
+    module = LitDecoder({**config, "compile": False}, vocab_size=hparams["vocab_size"], precision=precision)
     try:
         module.load_state_dict(state["state_dict"])
     except RuntimeError as err:
