@@ -10,8 +10,10 @@ It runs, each in its own process so that one crash (a segfault included) is one 
 - one ``trainer=ddp trainer.devices=1 model=small`` run (the papers' model size, through DDP's wrapping);
 
 then prints one table (config | trained | evaluated | steps/s | ppl@1× | ppl@32× | error) and exits non-zero on
-any failure. Every run logs to CSV (``logger=csv``; wandb is never imported) and, on CUDA, treats torch's warning
-that FlexAttention ran uncompiled (the unfused path) as an error. Runs go ``--jobs`` at a time: compilation is
+any failure. With ``--jobs`` above 1 the runs share the GPU, so their steps/s say that a run trains, not how fast:
+the column says how many ran at once, and ``--jobs 1`` (or ``posenc.bench``) measures speed. Every run logs to CSV
+(``logger=csv``; wandb is never imported) and, on CUDA, treats torch's warning that FlexAttention ran uncompiled
+(the unfused path) as an error. Runs go ``--jobs`` at a time: compilation is
 CPU-bound and the GPU has room for several tiny models. ``--device cpu`` runs the same on CPU (small, for tests).
 """
 
@@ -226,11 +228,12 @@ def gpu_tests_verdict(passed: bool, summary: str) -> str:
     return "passed" if " passed" in f" {summary}" else "skipped"
 
 
-def table(checks: list[Check], multiples: list[int]) -> str:
-    """The check's one table, as markdown."""
+def table(checks: list[Check], multiples: list[int], jobs: int = 1) -> str:
+    """The check's one table, as markdown; steps/s names how many runs shared the device when they did."""
     top = max(multiples)
+    speed = "steps/s" if jobs <= 1 else f"steps/s ({jobs} runs at once)"
     lines = [
-        f"| config | trained | evaluated | steps/s | ppl@1× | ppl@{top}× | error |",
+        f"| config | trained | evaluated | {speed} | ppl@1× | ppl@{top}× | error |",
         "|---|---|---|---|---|---|---|",
     ]
     for check in checks:
@@ -267,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{check.name}: {status} in {check.seconds:.0f} s", flush=True)
         tests_passed, tests_summary = tests.result() if tests is not None else (True, "not run (--no-tests)")
     print(f"\nGPU tests: {gpu_tests_verdict(tests_passed, tests_summary)}: {tests_summary}")
-    print(table(checks, args.multiples))
+    print(table(checks, args.multiples, min(args.jobs, len(checks))))
+    if args.jobs > 1:
+        print(f"steps/s: up to {args.jobs} runs shared the device; a smoke figure, not a speed (--jobs 1 measures it)")
     failed = [check.name for check in checks if not check.ok]
     elapsed = time.perf_counter() - started
     verdict = "FAILED: " + ", ".join(failed) if failed else "every config trained and evaluated"

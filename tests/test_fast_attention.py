@@ -55,7 +55,7 @@ def _auto_choices(name: str) -> list[str]:
 
     The eager reference is excluded, and so is ``flex``: torch has no CPU backward for FlexAttention. The learnable
     schemes ``auto`` sends to ``flex`` on CUDA (those declaring no gradient forms) are compared with eager there, in
-    ``tests/test_gpu.py::test_auto_on_cuda_matches_eager_where_it_picks_flex_for_a_learnable_bias``.
+    ``tests/test_gpu.py::test_auto_on_cuda_matches_eager`` (every scheme of the registry).
     """
     return sorted({choose(make(name), is_cuda=cuda) for cuda in (True, False)} - {"eager", "flex"})
 

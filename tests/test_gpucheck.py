@@ -45,7 +45,8 @@ def test_cpu_check_prints_the_table_and_fails_on_a_failed_config(tmp_path: Path)
     rows = {
         line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines() if line.startswith("| ")
     }
-    assert rows["config"][:5] == [" trained ", " evaluated ", " steps/s ", " ppl@1× ", " ppl@2× "]
+    assert rows["config"][:5] == [" trained ", " evaluated ", " steps/s (2 runs at once) ", " ppl@1× ", " ppl@2× "]
+    assert "a smoke figure, not a speed" in done.stdout
     trained, evaluated, steps_per_s, ppl_1, ppl_2, error = (cell.strip() for cell in rows["alibi"])
     assert (trained, evaluated, error) == ("yes", "yes", "") and float(steps_per_s) > 0
     assert float(ppl_1) > 1 and float(ppl_2) > 1

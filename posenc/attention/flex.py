@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from posenc.attention import refuse_content_bias, register_backend
-from posenc.encodings.base import PositionalEncoding, ScoreMod, TableForm
+from posenc.encodings.base import PositionalEncoding, ScoreMod
 from posenc.runtime import cuda_path
 
 
@@ -152,14 +152,11 @@ TABLE_KERNEL_OPTIONS: dict[str, int | str] = {
 
 
 def kernel_options(encoding: PositionalEncoding) -> dict[str, int | str] | None:
-    """FlexAttention kernel options for this scheme: smaller tiles when a member's bias is a table lookup.
+    """FlexAttention kernel options for this scheme: smaller tiles when a member's score_mod reads a table.
 
-    Read from what the scheme declares: a member whose ``bias_gradient_forms`` include a ``TableForm`` indexes a
-    tensor inside its score_mod. ``None`` keeps torch's defaults (every other scheme compiles with them).
+    Read from what the scheme declares (``score_mod_reads_table``). ``None`` keeps torch's defaults.
     """
-    reads_table = any(
-        isinstance(form, TableForm) for member in encoding.members for form in member.bias_gradient_forms() or []
-    )
+    reads_table = any(member.score_mod_reads_table for member in encoding.members)
     return dict(TABLE_KERNEL_OPTIONS) if reads_table else None
 
 

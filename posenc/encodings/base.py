@@ -105,6 +105,7 @@ class PositionalEncoding(nn.Module):
     - ``rotates``: ``rotate`` is not the identity.
     - ``adds_content_bias``: ``content_bias`` is not ``None`` (a bias that reads q and k, not only positions).
     - ``score_mod_differentiable``: FlexAttention may differentiate ``score_mod`` with respect to its parameters.
+    - ``score_mod_reads_table``: ``score_mod`` gathers from a table at a per-score index (smaller kernel tiles).
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
     """
 
@@ -119,6 +120,10 @@ class PositionalEncoding(nn.Module):
     # units), and would otherwise add into it once per index and score; such a scheme says False, and a backend then
     # trains its bias another way.
     score_mod_differentiable: ClassVar[bool] = True
+    # The score_mod reads a tensor at an index computed per score (a table by distance or bucket). FlexAttention's
+    # kernels then lay the gathered values out beside their tiles, which with torch's default tiles overflows a GPU's
+    # shared memory; backends give such schemes smaller tiles (``attention/flex.py``, ``kernel_options``).
+    score_mod_reads_table: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()

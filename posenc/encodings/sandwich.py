@@ -27,6 +27,7 @@ class Sandwich(PositionalEncoding):
 
     name = "sandwich"
     adds_bias = True
+    score_mod_reads_table = True  # the (H, L) table its score_mod reads when the window length is known
 
     def __init__(self, num_heads: int, head_dim: int, dim: int = 128) -> None:
         super().__init__(num_heads, head_dim)
@@ -39,8 +40,8 @@ class Sandwich(PositionalEncoding):
         self.register_buffer("compression", compression, persistent=False)
 
     def kernel(self, d: Tensor) -> Tensor:
-        """Σ_k cos(d ω_k) − d'/2 for fp32 distances ``d`` (any shape), before the per-head compression."""
-        return torch.cos(d[..., None] * self.frequencies).sum(-1) - self.dim / 2
+        """Σ_k (cos(d ω_k) − 1) = Σ_k cos(d ω_k) − d'/2 for fp32 distances ``d`` (any shape), before the compression."""
+        return (torch.cos(d[..., None] * self.frequencies) - 1).sum(-1)
 
     def bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         # Through the distance table: d'/2 cosines per distance, not per (i, j) pair (1 GiB of them at L = 2048).
@@ -48,8 +49,10 @@ class Sandwich(PositionalEncoding):
         return self.distance_bias(int(d.max()) + 1)[:, d]  # (H, Lq, Lk)
 
     def distance_bias(self, num_distances: int) -> Tensor:
+        # The compression inside the sum, so the table's last operation is a reduction: Inductor (torch 2.11) cannot
+        # hand FlexAttention a table whose last operation is elementwise ("convert FlexibleLayout to FixedLayout").
         d = torch.arange(num_distances, device=self.frequencies.device, dtype=torch.float32)
-        return self.kernel(d)[None] / self.compression[:, None]
+        return ((torch.cos(d[None, :, None] * self.frequencies) - 1) / self.compression[:, None, None]).sum(-1)
 
     def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod:
         if num_distances is not None:

@@ -34,6 +34,7 @@ class T5Bias(PositionalEncoding):
 
     name = "t5"
     adds_bias = True
+    score_mod_reads_table = True
 
     def __init__(self, num_heads: int, head_dim: int, num_buckets: int = 32, max_distance: int = 128) -> None:
         super().__init__(num_heads, head_dim)
