@@ -162,6 +162,28 @@ def test_sandwich_values() -> None:
     assert not list(enc.parameters())
 
 
+def test_sandwich_score_mod_reads_a_table_once_the_length_is_known() -> None:
+    # d'/2 = 64 cosines per score (and again in the backward) cost more than the attention; a backend that knows the
+    # window's length gets a score_mod that gathers from an (H, L) table built once, with the same values.
+    from torch.overrides import TorchFunctionMode
+
+    class CountCosines(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            CountCosines.calls += func is torch.cos
+            return func(*args, **(kwargs or {}))
+
+    enc = make("sandwich")
+    q_idx, kv_idx = torch.tril_indices(50, 50)
+    args = (torch.zeros(HEADS, q_idx.numel()), torch.tensor(0), torch.arange(HEADS)[:, None], q_idx, kv_idx)
+    mod = enc.score_mod(num_distances=50)
+    with CountCosines():
+        got = mod(*args)
+    assert CountCosines.calls == 0 and enc.score_mod_reads_table
+    torch.testing.assert_close(got, enc.score_mod()(*args))
+
+
 def test_fire_values_and_threshold() -> None:
     enc = make("fire", mlp_width=1)
     with torch.no_grad():

@@ -151,11 +151,35 @@ TABLE_KERNEL_OPTIONS: dict[str, int | str] = {
 }
 
 
-def kernel_options(encoding: PositionalEncoding) -> dict[str, int | str] | None:
-    """FlexAttention kernel options for this scheme: smaller tiles when a member's score_mod reads a table.
+# Tiles for fp32 queries: with torch's defaults (and with the table tiles above) an fp32 kernel spills 2-115 KB of
+# registers per thread on an H100, A100 and L4, and at head dim 128 asks an L4 or RTX 4090 (sm_89, 99 KB) for
+# 131-148 KB of shared memory, where inductor then finds no valid config. Quarter-size tiles fit every device with
+# few or no spills (the figures: ``python -m posenc.lane``, docs/gpu.md). fp32 attention is bandwidth-bound anyway;
+# training on a GPU runs bf16-mixed, where the tiles above apply.
+FP32_KERNEL_OPTIONS: dict[str, int | str] = {
+    "BACKEND": "TRITON",
+    "fwd_BLOCK_M": 32,
+    "fwd_BLOCK_N": 32,
+    "fwd_num_stages": 2,
+    "fwd_num_warps": 4,
+    "bwd_BLOCK_M1": 16,
+    "bwd_BLOCK_N1": 32,
+    "bwd_BLOCK_M2": 32,
+    "bwd_BLOCK_N2": 16,
+    "bwd_num_stages": 2,
+    "bwd_num_warps": 4,
+}
 
-    Read from what the scheme declares (``score_mod_reads_table``). ``None`` keeps torch's defaults.
+
+def kernel_options(encoding: PositionalEncoding, q: Tensor | None = None) -> dict[str, int | str] | None:
+    """FlexAttention kernel options for this scheme and these queries: torch's defaults (``None``) where they serve.
+
+    Quarter-size tiles for fp32 queries, smaller tiles when a member's score_mod reads a table
+    (``score_mod_reads_table``); only the scheme's declarations and the queries' dtype decide, and each choice serves
+    the H100, the A100 and the L4 alike (``python -m posenc.lane`` compiles every one for each).
     """
+    if q is not None and q.element_size() >= 4:
+        return dict(FP32_KERNEL_OPTIONS)
     reads_table = any(member.score_mod_reads_table for member in encoding.members)
     return dict(TABLE_KERNEL_OPTIONS) if reads_table else None
 
@@ -179,7 +203,7 @@ def flex_run(
 ) -> Any:
     """Causal FlexAttention with the cached block mask: ``out``, or ``(out, lse)`` with the fp32 natural-log lse.
 
-    ``options`` are the kernel options (``kernel_options(encoding)``); which kernel runs is ``flex_kernel``'s choice.
+    ``options`` are the kernel options (``kernel_options(encoding, q)``); which kernel runs is ``flex_kernel``'s choice.
     """
     length = q.shape[-2]
     block_mask = causal_block_mask(length, str(q.device))
@@ -217,4 +241,4 @@ def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, 
         )
     # Without gradients the bias is a constant: read it detached, so nothing asks FlexAttention for its backward.
     mod = encoding.score_mod(detached=not trains_bias, num_distances=q.shape[-2])
-    return flex_run(q, k, v, shifted(mod, q_pos[0]) if mod is not None else None, options=kernel_options(encoding))
+    return flex_run(q, k, v, shifted(mod, q_pos[0]) if mod is not None else None, options=kernel_options(encoding, q))

@@ -86,8 +86,8 @@ def supports(encoding: PositionalEncoding) -> bool:
     return forms is not None and (encoding.distance_only or not any(isinstance(f, TableForm) for f in forms))
 
 
-def plan_bias_gradient(encoding: PositionalEncoding, offset: Tensor, length: int) -> BiasGradientPlan | None:
-    """The plan for a scheme's trainable bias over a window of ``length`` from ``offset``; ``None`` if unsupported."""
+def plan_bias_gradient(encoding: PositionalEncoding, q: Tensor, offset: Tensor) -> BiasGradientPlan | None:
+    """The plan for a scheme's trainable bias over the window of ``q`` from ``offset``; ``None`` if unsupported."""
     forms = encoding.bias_gradient_forms()
     if forms is None:
         return None
@@ -104,10 +104,10 @@ def plan_bias_gradient(encoding: PositionalEncoding, offset: Tensor, length: int
         derivatives,
         tables,
         parameters,
-        encoding.score_mod(detached=True, num_distances=length),
+        encoding.score_mod(detached=True, num_distances=q.shape[-2]),
         offset,
         band_bias,
-        kernel_options(encoding),
+        kernel_options(encoding, q),
     )
 
 
@@ -139,7 +139,7 @@ def constant_bias_attention(
     """(out, lse or None) with the bias held constant: out is differentiable in q, k, v only."""
     mod = encoding.score_mod(detached=True, num_distances=q.shape[-2])
     mod = shifted(mod, pos[0]) if mod is not None else None
-    options = kernel_options(encoding)
+    options = kernel_options(encoding, q)
     trains_qkv = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if cuda_path(q) or not trains_qkv:
         if with_lse:
@@ -164,7 +164,7 @@ def flex_learnable_attention(
             f"attention=flex_learnable needs a scheme whose learnable bias declares bias_gradient_forms (distance-only "
             f"for tables); {encoding.label} does not. Use attention=flex or attention=sdpa."
         )
-    plan = plan_bias_gradient(encoding, q_pos[0], q.shape[-2]) if torch.is_grad_enabled() else None
+    plan = plan_bias_gradient(encoding, q, q_pos[0]) if torch.is_grad_enabled() else None
     bias_grad = plan is not None and len(plan.parameters) > 0
     out, lse = constant_bias_attention(q, k, v, encoding, q_pos, with_lse=bias_grad)
     if not bias_grad:

@@ -1,0 +1,156 @@
+"""``python -m posenc.lane``: compile every FlexAttention kernel posenc's CUDA paths take, for GPUs that are not here.
+
+    python -m posenc.lane                          # every case on the H100, A100 and L4; a table per device
+    python -m posenc.lane --gpu l4 --scheme t5     # a subset
+    python -m posenc.lane --markdown docs/gpu-kernels.md   # write the table the docs show
+    python -m posenc.lane --json                   # one JSON row per stage (what the tests read)
+    python -m posenc.lane --torch-defaults --gpu h100 --scheme t5   # what torch's own tile choices would do
+
+Each GPU runs in a process of its own (the fake device is process-wide), ``--jobs`` of them at once. Exit status 1
+when a stage that must compile did not, or compiled over its device's shared memory; 0 otherwise. Needs the pinned
+torch and triton (``posenc.lane.PINNED``): anything else gets one line saying so, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from posenc.lane import version_mismatch
+from posenc.lane.gpus import GPUS
+
+ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+
+
+def run_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every stage of every case on one fake GPU (``args.worker``), in this process, before torch is imported."""
+    os.environ.update(ENV)
+    from posenc.lane import fake
+
+    gpu = args.worker
+    fake.install(GPUS[gpu])
+    from posenc.lane.flex import cases, run_case
+
+    if args.torch_defaults:  # every backend asks posenc.attention.flex for its options: answer with torch's own
+        import posenc.attention.flex as flex
+        import posenc.attention.flex_learnable as flex_learnable
+
+        flex.kernel_options = flex_learnable.kernel_options = lambda encoding, q=None: None
+    dtypes, head_dims = args.dtype, args.head_dim
+
+    rows = []
+    for case in cases(args.scheme):
+        if (dtypes and case.dtype not in dtypes) or (head_dims and case.head_dim not in head_dims):
+            continue
+        for result in run_case(case, GPUS[gpu], registers=not args.no_registers):
+            rows.append({"gpu": gpu, **result.as_dict(), "refused": case.refused})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def failures(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per finding, naming the device, the case and the stage.
+
+    Findings: a stage that must compile did not; a refusal the scheme declares did not happen; a compiled kernel
+    needs more shared memory than its device has.
+    """
+    found = []
+    for row in rows:
+        mode = "train" if row["training"] else "eval"
+        where = f"{row['gpu']}: {row['scheme']} {row['path']} {mode} {row['dtype']} d{row['head_dim']} {row['stage']}"
+        if row["refused"] and row["stage"] == "backward":
+            if row["ok"]:
+                found.append(f"{where}: compiled, but the scheme declares FlexAttention cannot differentiate it")
+            continue
+        if not row["ok"]:
+            found.append(f"{where}: {row['error']}")
+        for kernel in row["kernels"]:
+            if kernel["shared"] > kernel["limit"]:
+                found.append(
+                    f"{where}: {kernel['name']} needs {kernel['shared']} B of shared memory, the device has "
+                    f"{kernel['limit']} B"
+                )
+    return found
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The docs' table: per device and case stage, the largest template kernel's shared memory, registers, spills."""
+    lines = [
+        "| GPU | scheme | path | mode | dtype | head dim | stage | result | shared memory (B) | registers "
+        "| spilled (B) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        kernels = row["kernels"] or [{"shared": "", "registers": "", "spills": ""}]
+        worst = max(kernels, key=lambda kernel: kernel["shared"] or 0)
+        result = "ok" if row["ok"] else ("refused (declared)" if row["refused"] else "FAILED: " + row["error"])
+        lines.append(
+            f"| {row['gpu']} | {row['scheme']} | {row['path']} | {'train' if row['training'] else 'eval'} | "
+            f"{row['dtype']} | {row['head_dim']} | {row['stage']} | {result} | {worst['shared']} | "
+            f"{worst['registers'] if worst['registers'] is not None else '?'} | "
+            f"{worst['spills'] if worst['spills'] is not None else '?'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="append", choices=sorted(GPUS), help="a GPU to compile for (default: all)")
+    parser.add_argument("--scheme", action="append", help="a scheme or stack (default: every one that reaches flex)")
+    parser.add_argument("--dtype", action="append", choices=["bf16", "fp32"], help="a dtype (default: both)")
+    parser.add_argument("--head-dim", action="append", type=int, choices=[64, 128], help="a head dim (default: both)")
+    parser.add_argument("--json", action="store_true", help="print one JSON row per stage")
+    parser.add_argument("--no-registers", action="store_true", help="skip ptxas's register and spill report")
+    parser.add_argument("--torch-defaults", action="store_true", help="torch's kernel options instead of posenc's")
+    parser.add_argument("--markdown", help="write the table to this file")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="GPUs compiled for at once")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one GPU, in this process
+    args = parser.parse_args(argv)
+    problem = version_mismatch()
+    if problem:
+        print(f"posenc.lane: {problem}; see the README's GPU check for the environment", file=sys.stderr)
+        return 2
+    if args.worker:
+        run_gpu(args)
+        return 0
+    flags = [
+        flag for flag, on in (("--no-registers", args.no_registers), ("--torch-defaults", args.torch_defaults)) if on
+    ]
+    for flag, values in (("--scheme", args.scheme), ("--dtype", args.dtype), ("--head-dim", args.head_dim)):
+        flags += [item for value in values or [] for item in (flag, str(value))]
+
+    def worker(gpu: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "posenc.lane", "--worker", gpu, *flags]
+        return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENV})
+
+    gpus = args.gpu or list(GPUS)
+    with ThreadPoolExecutor(max_workers=max(1, min(args.jobs, len(gpus)))) as pool:
+        results = dict(zip(gpus, pool.map(worker, gpus), strict=True))
+    rows = []
+    for gpu, result in results.items():
+        if result.returncode != 0:
+            tail = result.stderr.strip()[-500:]
+            print(f"posenc.lane: the {gpu} worker stopped (exit {result.returncode}): {tail}", file=sys.stderr)
+            return 1
+        rows += [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(markdown(rows), end="")
+    if args.markdown:
+        with open(args.markdown, "w") as file:
+            file.write(markdown(rows))
+    found = failures(rows)
+    for line in found:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
