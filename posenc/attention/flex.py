@@ -233,12 +233,6 @@ def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, 
             "Use attention=sdpa (or attention=auto) on CPU; flex trains on CUDA."
         )
     trains_bias = torch.is_grad_enabled() and encoding.learnable_bias
-    if trains_bias and not encoding.score_mod_differentiable:
-        raise ValueError(
-            f"attention=flex cannot train {encoding.label}'s bias: FlexAttention cannot differentiate its score_mod "
-            "(it reads its trainable weights many times per score). Use attention=auto or attention=sdpa to train; "
-            "flex evaluates it"
-        )
     # Without gradients the bias is a constant: read it detached, so nothing asks FlexAttention for its backward.
     mod = encoding.score_mod(detached=not trains_bias, num_distances=q.shape[-2])
     return flex_run(q, k, v, shifted(mod, q_pos[0]) if mod is not None else None, options=kernel_options(encoding, q))

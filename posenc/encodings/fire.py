@@ -32,7 +32,7 @@ class FIRE(PositionalEncoding):
 
     name = "fire"
     adds_bias = True
-    score_mod_differentiable = False  # the unrolled MLP indexes each weight once per hidden unit (module docstring)
+    score_mod_gradient_cheap = False  # its score_mod reads ~100 trainable values per score (the unrolled MLP)
 
     def __init__(
         self, num_heads: int, head_dim: int, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float = 512.0

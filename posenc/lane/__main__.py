@@ -6,7 +6,7 @@
     python -m posenc.lane --json                   # one JSON row per stage (what the tests read)
     python -m posenc.lane --torch-defaults --gpu h100 --scheme t5   # what torch's own tile choices would do
 
-Each GPU runs in a process of its own (the fake device is process-wide), ``--jobs`` of them at once. Exit status 1
+Each GPU's cases run in processes of their own (the fake device is process-wide), ``--jobs`` at once. Exit status 1
 when a stage that must compile did not, or compiled over its device's shared memory; 0 otherwise. Needs the pinned
 torch and triton (``posenc.lane.PINNED``): anything else gets one line saying so, and exit status 2.
 """
@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,11 +45,12 @@ def run_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     dtypes, head_dims = args.dtype, args.head_dim
 
     rows = []
-    for case in cases(args.scheme):
+    index, count = (int(part) for part in args.shard.split("/"))
+    for case in cases(args.scheme)[index::count]:
         if (dtypes and case.dtype not in dtypes) or (head_dims and case.head_dim not in head_dims):
             continue
         for result in run_case(case, GPUS[gpu], registers=not args.no_registers):
-            rows.append({"gpu": gpu, **result.as_dict(), "refused": case.refused})
+            rows.append({"gpu": gpu, **result.as_dict()})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -56,17 +58,12 @@ def run_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
 def failures(rows: list[dict[str, Any]]) -> list[str]:
     """One line per finding, naming the device, the case and the stage.
 
-    Findings: a stage that must compile did not; a refusal the scheme declares did not happen; a compiled kernel
-    needs more shared memory than its device has.
+    Findings: a stage did not compile; a compiled kernel needs more shared memory than its device has.
     """
     found = []
     for row in rows:
         mode = "train" if row["training"] else "eval"
         where = f"{row['gpu']}: {row['scheme']} {row['path']} {mode} {row['dtype']} d{row['head_dim']} {row['stage']}"
-        if row["refused"] and row["stage"] == "backward":
-            if row["ok"]:
-                found.append(f"{where}: compiled, but the scheme declares FlexAttention cannot differentiate it")
-            continue
         if not row["ok"]:
             found.append(f"{where}: {row['error']}")
         for kernel in row["kernels"]:
@@ -76,6 +73,25 @@ def failures(rows: list[dict[str, Any]]) -> list[str]:
                     f"{kernel['limit']} B"
                 )
     return found
+
+
+STAGES = ("forward", "backward", "bias gradient")
+
+
+def row_order(row: dict[str, Any], names: list[str]) -> tuple:
+    """Rows by GPU, then case (in the order of ``names``, the lane's schemes), then stage: the table's order."""
+    scheme = names.index(row["scheme"]) if row["scheme"] in names else len(names)
+    return (list(GPUS).index(row["gpu"]), scheme, row["path"], not row["training"], row["dtype"], row["head_dim"],
+            STAGES.index(row["stage"]))  # fmt: skip
+
+
+def progress(row: dict[str, Any]) -> str:
+    """One line for a finished stage: where, what, and how it went."""
+    mode = "train" if row["training"] else "eval"
+    verdict = "ok" if row["ok"] else f"FAILED: {row['error']}"
+    shared = max((kernel["shared"] for kernel in row["kernels"]), default=0)
+    case = f"{row['scheme']} {row['path']} {mode} {row['dtype']} d{row['head_dim']} {row['stage']}"
+    return f"{row['gpu']}: {case}: {verdict} ({shared} B shared, {row['seconds']:.0f} s)"
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -88,7 +104,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         kernels = row["kernels"] or [{"shared": "", "registers": "", "spills": ""}]
         worst = max(kernels, key=lambda kernel: kernel["shared"] or 0)
-        result = "ok" if row["ok"] else ("refused (declared)" if row["refused"] else "FAILED: " + row["error"])
+        result = "ok" if row["ok"] else "FAILED: " + row["error"]
         lines.append(
             f"| {row['gpu']} | {row['scheme']} | {row['path']} | {'train' if row['training'] else 'eval'} | "
             f"{row['dtype']} | {row['head_dim']} | {row['stage']} | {result} | {worst['shared']} | "
@@ -110,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", help="write the table to this file")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="GPUs compiled for at once")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one GPU, in this process
+    parser.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)  # which share of the cases: i/n
     args = parser.parse_args(argv)
     problem = version_mismatch()
     if problem:
@@ -124,20 +141,39 @@ def main(argv: list[str] | None = None) -> int:
     for flag, values in (("--scheme", args.scheme), ("--dtype", args.dtype), ("--head-dim", args.head_dim)):
         flags += [item for value in values or [] for item in (flag, str(value))]
 
-    def worker(gpu: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "posenc.lane", "--worker", gpu, *flags]
-        return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENV})
+    def worker(unit: tuple[str, int]) -> tuple[int, list[dict[str, Any]], str]:
+        """One GPU's share of the cases, each stage announced on stderr as it comes (a full run takes a while)."""
+        gpu, shard = unit
+        command = [sys.executable, "-m", "posenc.lane", "--worker", gpu, "--shard", f"{shard}/{shards}", *flags]
+        with tempfile.TemporaryFile("w+") as errors:
+            process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=errors, text=True, env={**os.environ, **ENV}
+            )
+            got = []
+            for line in process.stdout:
+                if line.startswith("{"):
+                    got.append(json.loads(line))
+                    print(f"posenc.lane: {progress(got[-1])}", file=sys.stderr, flush=True)
+            process.wait()
+            errors.seek(0)
+            return process.returncode, got, errors.read()
 
-    gpus = args.gpu or list(GPUS)
-    with ThreadPoolExecutor(max_workers=max(1, min(args.jobs, len(gpus)))) as pool:
-        results = dict(zip(gpus, pool.map(worker, gpus), strict=True))
+    # Each GPU's cases split in as many shares as processes run at once, so that none waits on the slowest GPU.
+    jobs = max(1, args.jobs)
+    shards = jobs
+    units = [(gpu, shard) for gpu in args.gpu or list(GPUS) for shard in range(shards)]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = dict(zip(units, pool.map(worker, units), strict=True))
     rows = []
-    for gpu, result in results.items():
-        if result.returncode != 0:
-            tail = result.stderr.strip()[-500:]
-            print(f"posenc.lane: the {gpu} worker stopped (exit {result.returncode}): {tail}", file=sys.stderr)
+    for (gpu, _), (code, got, errors) in results.items():
+        if code != 0:
+            print(f"posenc.lane: the {gpu} worker stopped (exit {code}): {errors.strip()[-500:]}", file=sys.stderr)
             return 1
-        rows += [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        rows += got
+    from posenc.lane.flex import schemes
+
+    names = schemes()
+    rows.sort(key=lambda row: row_order(row, names))
     if args.json:
         for row in rows:
             print(json.dumps(row))
