@@ -95,8 +95,21 @@ def progress(row: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The docs' table: per device and case stage, the largest template kernel's shared memory, registers, spills."""
+    """The docs' page: what wrote it, then per device and stage the largest template kernel's figures."""
+    import datetime
+
+    import torch
+    import triton
+
     lines = [
+        "# Every FlexAttention kernel posenc compiles, per GPU",
+        "",
+        "Written by `python -m posenc.lane --markdown docs/gpu-kernels.md`",
+        f"(torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today().isoformat()}; nothing was",
+        "launched). Per stage, the largest FlexAttention template kernel: its shared memory, and ptxas's registers",
+        "and spilled bytes for that device (`?` when the report was skipped). What the stages are, and which options",
+        "each case gets: [gpu.md](gpu.md).",
+        "",
         "| GPU | scheme | path | mode | dtype | head dim | stage | result | shared memory (B) | registers "
         "| spilled (B) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
