@@ -48,8 +48,8 @@ def _stacks() -> list[str]:
 # Every scheme of the registry that attends relatively (and the stacks): a new scheme is checked on CUDA unasked.
 RELATIVE = [name for name in available() if not scheme_class(name).absolute] + _stacks()
 FLEX = [name for name in RELATIVE if _scheme(name).adds_bias and not _scheme(name).adds_content_bias]
-# attention=flex trains every position bias through FlexAttention's own backward (auto avoids it where costly).
-FLEX_TRAINS = FLEX
+# What FlexAttention differentiates itself: fixed biases, and learnable ones whose score_mod it can differentiate.
+FLEX_TRAINS = [n for n in FLEX if not _scheme(n).learnable_bias or _scheme(n).score_mod_differentiable]
 LEARNABLE_WITH_FORMS = [n for n in FLEX if _scheme(n).learnable_bias and supports(_scheme(n))]
 # Distance-only biases are shift-invariant: far from the origin they equal the same window at 0.
 SHIFT_INVARIANT = [n for n in FLEX if _scheme(n).distance_only] + ["rope+alibi"]

@@ -49,16 +49,16 @@ def test_the_lane_covers_every_scheme_that_reaches_flex() -> None:
         assert ("flex", True) in paths, name  # training's forward and backward (or the declared refusal)
         if enc.learnable_bias and supports(enc):
             assert ("flex_learnable", True) in paths, name
-        if enc.learnable_bias and not enc.score_mod_gradient_cheap:
+        if enc.learnable_bias and not enc.score_mod_differentiable:
             assert ("flex", False) in paths, name  # auto evaluates it on flex, and trains it elsewhere
-        combos = {(case.dtype, case.head_dim) for case in listed if case.scheme == name}
+        combos = {(case.dtype, case.head_dim) for case in listed if case.scheme == name and not case.refused}
         assert combos == {(dtype, dim) for dtype in DTYPES for dim in HEAD_DIMS}, name
 
 
 def _row(**changes) -> dict:
     row = {
         "gpu": "l4", "scheme": "t5", "path": "flex", "training": True, "dtype": "fp32", "head_dim": 128,
-        "stage": "forward", "ok": True, "error": None,
+        "stage": "forward", "ok": True, "error": None, "refused": False,
         "kernels": [{"name": "triton_tem_fused_flex_attention_0", "shared": 57344, "limit": 101376}],
     }  # fmt: skip
     return {**row, **changes}
@@ -72,6 +72,10 @@ def test_findings_name_the_device_the_case_the_kernel_and_the_bytes() -> None:
         assert part in line
     (line,) = failures([_row(ok=False, error="No valid triton configs. OutOfResources: shared memory")])
     assert "No valid triton configs" in line
+    # A refusal the scheme declares must happen, and is no finding when it does.
+    assert failures([_row(scheme="fire", stage="backward", ok=False, error="refused", refused=True)]) == []
+    (line,) = failures([_row(scheme="fire", stage="backward", refused=True)])
+    assert "declares FlexAttention cannot differentiate it" in line
 
 
 def test_the_lane_refuses_other_versions_in_one_line() -> None:
@@ -115,11 +119,13 @@ def test_every_case_ran_on_every_gpu(lane_rows: list[dict]) -> None:
 @needs_pinned
 def test_learnable_biases_are_held_to_inductors_gradient_check(lane_rows: list[dict]) -> None:
     # Inductor checks the score_mod's joint graph before lowering FlexAttention's backward (each trainable tensor
-    # indexed once per score): every learnable scheme's flex backward compiled, so it passed.
+    # indexed once per score): every learnable scheme's flex backward, with its trainable buffers, compiled (so it
+    # passed) or was refused as the scheme declares.
     learnable = {name for name in schemes() if make(name).learnable_bias}
     backward = [row for row in lane_rows if row["stage"] == "backward" and row["path"] == "flex"]
     assert learnable <= {row["scheme"] for row in backward}
-    assert all(row["ok"] for row in backward), [row for row in backward if not row["ok"]]
+    for row in backward:
+        assert row["ok"] != row["refused"], row
 
 
 @pytest.mark.lane

@@ -21,6 +21,7 @@ from posenc.encodings.alibi import alibi_slopes
 from posenc.encodings.base import PositionalEncoding
 from posenc.evaluate.runner import evaluate_model
 from posenc.model import Decoder
+from posenc.runtime import forced_cuda_path
 from posenc.train import train
 
 # --- content-dependent biases: the contract every such scheme honours ----------------------------------------
@@ -134,15 +135,18 @@ def test_auto_keeps_content_biases_off_flex(name: str) -> None:
 
 
 def test_fire_trains_off_flex_and_evaluates_on_it() -> None:
-    # A learnable bias with no gradient forms whose score_mod reads ~100 trainable values per score: FlexAttention's
-    # backward would add into each of them once per score, so auto trains it through sdpa on CUDA and evaluates it
-    # through flex; never flex_learnable.
+    # A learnable bias with no gradient forms whose score_mod FlexAttention cannot differentiate on a GPU (Inductor
+    # does not lower its backward: the kernel lane): trained through sdpa on CUDA, evaluated through flex.
     fire = make("fire")
     assert fire.learnable_bias and fire.bias_gradient_forms() is None and not fire.distance_only
-    assert not fire.score_mod_gradient_cheap
+    assert not fire.score_mod_differentiable
     assert choose(fire, is_cuda=True, training=True) == "sdpa"
     assert choose(fire, is_cuda=True, training=False) == "flex"
     assert choose(fire, is_cuda=False) == "sdpa"
+    q = torch.randn(1, HEADS, 8, HEAD_DIM, requires_grad=True)
+    pos = torch.arange(8)
+    with forced_cuda_path(), pytest.raises(ValueError, match="attention=flex cannot train fire's bias"):
+        get_backend("flex")(q, q, q, fire, pos, pos)
 
 
 # --- each scheme's formula on hand-computed values ----------------------------------------------------------

@@ -6,16 +6,16 @@
 - a learnable bias on CUDA → ``flex_learnable``: the same forward, a constant-bias backward, and the parameters'
   gradients from the identities the scheme declares (``bias_gradient_forms``), avoiding FlexAttention's per-score
   atomics; a learnable scheme that declares none stays on ``flex`` (one atomic add per trainable value read, per
-  score), unless it declares that this is not cheap (``score_mod_gradient_cheap``: FIRE's MLP reads ~100 per score):
-  it then trains through ``sdpa`` with its dense bias in query chunks, and evaluates (no gradients) through ``flex``.
-  This last choice has not been timed on a GPU;
+  score), unless it declares that FlexAttention cannot differentiate its score_mod (``score_mod_differentiable``:
+  FIRE's MLP, which Inductor cannot lower): it then trains through ``sdpa`` with its dense bias in query chunks, and
+  evaluates (no gradients) through ``flex``;
 - a bias on CPU → ``sdpa`` with the bias as a chunked mask (FlexAttention has no CPU backward, and SDPA is the
   faster CPU path anyway);
 - a content-dependent bias (CoPE, DAPE, data-dependent ALiBi), any device → ``sdpa`` with the bias computed per
   query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it.
 
 The choice reads only what the scheme declares (``adds_content_bias``, ``adds_bias``, ``learnable_bias``,
-``bias_gradient_forms``, ``score_mod_gradient_cheap``) and whether gradients are being recorded.
+``bias_gradient_forms``, ``score_mod_differentiable``) and whether gradients are being recorded.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def choose(encoding: PositionalEncoding, is_cuda: bool, training: bool = True) -
         return "sdpa"
     if encoding.learnable_bias and supports(encoding):
         return "flex_learnable"
-    if training and encoding.learnable_bias and not encoding.score_mod_gradient_cheap:
+    if training and encoding.learnable_bias and not encoding.score_mod_differentiable:
         return "sdpa"
     return "flex"
 

@@ -232,7 +232,11 @@ def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, 
             "attention=flex cannot train on CPU: torch's FlexAttention has no CPU backward. "
             "Use attention=sdpa (or attention=auto) on CPU; flex trains on CUDA."
         )
-    trains_bias = torch.is_grad_enabled() and encoding.learnable_bias
-    # Without gradients the bias is a constant: read it detached, so nothing asks FlexAttention for its backward.
-    mod = encoding.score_mod(detached=not trains_bias, num_distances=q.shape[-2])
+    if torch.is_grad_enabled() and encoding.learnable_bias and not encoding.score_mod_differentiable:
+        raise ValueError(
+            f"attention=flex cannot train {encoding.label}'s bias: FlexAttention cannot differentiate its score_mod "
+            "on a GPU (Inductor does not lower its backward). Train with attention=auto or attention=sdpa; flex "
+            "evaluates it"
+        )
+    mod = encoding.score_mod(num_distances=q.shape[-2])
     return flex_run(q, k, v, shifted(mod, q_pos[0]) if mod is not None else None, options=kernel_options(encoding, q))

@@ -104,7 +104,7 @@ class PositionalEncoding(nn.Module):
     - ``adds_bias``: ``bias``/``score_mod`` are not ``None``.
     - ``rotates``: ``rotate`` is not the identity.
     - ``adds_content_bias``: ``content_bias`` is not ``None`` (a bias that reads q and k, not only positions).
-    - ``score_mod_gradient_cheap``: FlexAttention's own backward through ``score_mod`` is a sensible way to train it.
+    - ``score_mod_differentiable``: FlexAttention may differentiate ``score_mod`` with respect to its parameters.
     - ``score_mod_reads_table``: ``score_mod`` gathers from a table at a per-score index (smaller kernel tiles).
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
     """
@@ -115,12 +115,11 @@ class PositionalEncoding(nn.Module):
     rotates: ClassVar[bool] = False
     adds_content_bias: ClassVar[bool] = False
     reads_scores: ClassVar[bool] = False  # content_bias reads q·kᵀ/√D, which a backend may pass it (``scores``)
-    # FlexAttention differentiates a score_mod's trainable values with one atomic add per value read, per score:
-    # cheap for a scheme that reads one or two per-head values (KERPLE), not for one that reads a hundred (FIRE's MLP,
-    # its weights unrolled over the hidden units), whose backward would add into the same hundred addresses from every
-    # score. Such a scheme says False, and ``auto`` trains its bias another way. (Either way every score_mod must pass
-    # Inductor's own check: each trainable tensor indexed once per score. The kernel lane holds them to it.)
-    score_mod_gradient_cheap: ClassVar[bool] = True
+    # FlexAttention can differentiate the score_mod's trainable tensors on a GPU. Inductor lowers a score_mod's
+    # gradient only for trainable tensors read by index, each indexed once per score (its joint-graph check), and
+    # adds into them atomically once per score. A scheme whose score_mod it cannot lower says False (FIRE's MLP: the
+    # kernel lane shows the refusal on every GPU), and backends then train its bias another way.
+    score_mod_differentiable: ClassVar[bool] = True
     # The score_mod reads a tensor at an index computed per score (a table by distance or bucket). FlexAttention's
     # kernels then lay the gathered values out beside their tiles, which with torch's default tiles overflows a GPU's
     # shared memory; backends give such schemes smaller tiles (``attention/flex.py``, ``kernel_options``).

@@ -11,7 +11,12 @@ short sequences keep a plain relative bias). Beyond L the bias depends on the qu
 i − j: FIRE is not shift-invariant and not distance-only, so fast backends use its score_mod, not a table.
 
 Its parameters feed an MLP, so none of the identities of ``learnable-bias-gradient.md`` applies: FIRE declares no
-``bias_gradient_forms`` and ``auto`` keeps it off ``flex_learnable`` (``flex`` on CUDA, ``sdpa`` on CPU).
+``bias_gradient_forms``, and ``auto`` keeps it off ``flex_learnable``. Nor can FlexAttention differentiate its
+score_mod on a GPU: with the MLP's weights indexed by hidden unit, Inductor's joint-graph check refuses a trainable
+tensor indexed several times per score; with one tensor per unit (as below) it fails to lower the gradients of the
+scalars no index reads (torch 2.11, ``process_joint_outputs``); either way each score would add into ~100 trainable
+values. FIRE declares ``score_mod_differentiable = False``: ``auto`` trains it through ``sdpa`` with its dense bias
+in query chunks and evaluates it through ``flex``, and ``attention=flex`` refuses to train it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class FIRE(PositionalEncoding):
 
     name = "fire"
     adds_bias = True
-    score_mod_gradient_cheap = False  # its score_mod reads ~100 trainable values per score (the unrolled MLP)
+    score_mod_differentiable = False  # Inductor cannot lower its backward (module docstring)
 
     def __init__(
         self, num_heads: int, head_dim: int, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float = 512.0

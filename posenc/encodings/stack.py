@@ -32,7 +32,7 @@ class Stack(PositionalEncoding):
         self.rotates = any(m.rotates for m in members)
         self.adds_content_bias = any(m.adds_content_bias for m in members)
         self.reads_scores = any(m.reads_scores for m in members)
-        self.score_mod_gradient_cheap = all(m.score_mod_gradient_cheap for m in members)
+        self.score_mod_differentiable = all(m.score_mod_differentiable for m in members)
 
     @property
     def label(self) -> str:
