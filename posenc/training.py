@@ -293,7 +293,8 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         finish_loggers(loggers, success=False)
         raise RunError(
             f"{config['run_name']}: stopped by SIGTERM at step {trainer.global_step} and saved {run_dir / CHECKPOINT}; "
-            f"resume with {resume_command or f'resume=last in {run_dir}'} (SLURM restarts a requeued job by itself)"
+            "a requeued SLURM job resumes there by itself, else resume with "
+            f"{resume_command or f'resume=last in {run_dir}'}"
         ) from None
     except DivergedError as err:
         finish_loggers(loggers, success=False)

@@ -34,7 +34,7 @@ ON_SLURM = ["launcher=submitit_slurm", "hydra.launcher.cpus_per_task=1"]
 # One job long enough to be stopped while it trains; its checkpoint every 10 steps shows that it has started.
 LONG_JOB = [
     "+encoding=alibi",
-    "trainer.max_steps=200",
+    "trainer.max_steps=100",
     "checkpoint_every_n_steps=10",
     "trainer.val_check_interval=50",
     "logger=csv",
@@ -98,8 +98,13 @@ class Launch:
             self.process = subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, env=environment(cluster))
 
     def job_id(self) -> str:
-        found = wait_until(lambda: SUBMITTED.search(self.stdout.read_text()), 120, "the sweep's submission")
-        return found.group(1)  # type: ignore[union-attr]
+        def submitted() -> re.Match | None:
+            found = SUBMITTED.search(self.stdout.read_text())
+            if not found and self.process.poll() is not None:
+                raise AssertionError(f"the sweep ended without submitting: {self.stderr.read_text()[-3000:]}")
+            return found
+
+        return wait_until(submitted, 120, "the sweep's submission").group(1)  # type: ignore[union-attr]
 
     def wait(self, timeout_s: float) -> tuple[int, str, str]:
         code = self.process.wait(timeout=timeout_s)
@@ -233,7 +238,7 @@ def test_a_preempted_job_resumes_where_it_stopped_and_equals_an_uninterrupted_ru
     assert stopped, job_err[-3000:]
     assert job_info(cluster, job)["Restarts"] == "1"
     run = json.loads((run_dir / "run.json").read_text())
-    assert run["resumed_from"]["step"] == int(stopped.group(1)) >= 10 and run["steps"] == 200
+    assert run["resumed_from"]["step"] == int(stopped.group(1)) >= 10 and run["steps"] == 100
     # The same figures, bit for bit: the loss at every step, the validation losses, the final perplexities.
     assert curves(run_dir) == uninterrupted["curves"]
     assert run["eval"] == uninterrupted["run"]["eval"]
@@ -260,15 +265,36 @@ def test_a_cancelled_job_resumes_when_the_sweep_is_relaunched(
     assert run["resumed_from"]["step"] == int(stopped.group(1)) and run["eval"] == uninterrupted["run"]["eval"]
 
 
+def test_a_relaunch_while_the_sweeps_jobs_are_queued_is_refused(
+    tmp_path: Path, cluster: LocalCluster, background: Callable[..., Launch]
+) -> None:
+    held = "+hydra.launcher.additional_parameters.hold=true"  # sbatch --hold: the job waits in the queue
+    launch = background(tmp_path, "+encoding=alibi", held)
+    job = launch.job_id()
+    assert job_info(cluster, job)["JobState"] == "PENDING"
+    known, record = all_job_ids(cluster), (tmp_path / "outputs" / "sweeps" / "smoke" / "sweep.json").read_text()
+    again = sweep(tmp_path, cluster, "+encoding=alibi")
+    assert again.returncode == 1
+    assert again.stderr.strip() == (
+        f"jobs of an earlier launch of this sweep are still queued or running ({job}): wait for them to end "
+        f"(squeue --jobs={job}) or cancel them (scancel {job}), then relaunch"
+    )
+    assert all_job_ids(cluster) == known  # a second copy of the job would train in the same directory
+    assert (tmp_path / "outputs" / "sweeps" / "smoke" / "sweep.json").read_text() == record
+    cluster.run("scancel", job)
+    code, _, err = launch.wait(120)
+    assert code == 1 and f"alibi-L32-s0 (SLURM job {job}) ended CANCELLED" in err
+
+
 def test_a_job_out_of_time_saves_is_requeued_and_resumes(
     tmp_path: Path, cluster: LocalCluster, background: Callable[..., Launch], uninterrupted: dict
 ) -> None:
     # SLURM's time limits are whole minutes, checked every 30 s: with a 1-minute limit and the signal asked for 25 s
     # before it, the signal comes 5-35 s into the job. The run is sized from this machine's pace to train for about
-    # 90 s, so the signal finds it training; once it has saved, the limit is raised so that the rest fits.
+    # 75 s, so the signal finds it training; once it has saved, the limit is raised so that the rest fits.
     uninterrupted_run = uninterrupted["run"]
     steps_per_s = uninterrupted_run["steps"] / uninterrupted_run["train_loop_seconds"]
-    steps = max(300, int(steps_per_s * 90))
+    steps = max(300, int(steps_per_s * 75))
     launch = background(
         tmp_path,
         "+encoding=alibi",

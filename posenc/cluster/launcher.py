@@ -7,7 +7,8 @@ hydra-submitit-launcher turns a multirun into one SLURM job array and waits for 
 that, and adds what a sweep of long runs needs:
 
 - a job that finished in an earlier launch (``done.json``) is not submitted again, so relaunching a finished sweep
-  submits nothing and a half-finished one submits only the rest (the jobs resume from their checkpoints);
+  submits nothing and a half-finished one submits only the rest (the jobs resume from their checkpoints); a
+  relaunch while jobs of an earlier launch are still queued or running is refused, since it would run them twice;
 - an ``sbatch`` refusal is one line naming the setting to change, instead of submitit's traceback;
 - the wait reports each job as it ends, and a job that ends without a result (``scancel``, a setting the job
   itself refused, a time limit past ``max_num_timeout``) is one line naming its state, its reason and its log,
@@ -94,6 +95,13 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     if not to_submit:
         print("nothing to submit: every job of this sweep finished in an earlier launch")
         return [returns[index] for index in range(len(job_overrides))]
+    active = _still_queued(Path(str(launcher.params["submitit_folder"])).parent)
+    if active:  # submitting again would run a second copy of a job in the same directory
+        forget_launch(Path(str(launcher.config.hydra.sweep.dir)))
+        raise SweepError(
+            f"jobs of an earlier launch of this sweep are still queued or running ({', '.join(active)}): wait for "
+            f"them to end (squeue --jobs={','.join(active)}) or cancel them (scancel {' '.join(active)}), then relaunch"
+        )
     jobs = _submit(launcher, to_submit, initial_job_idx)
     names = {job.job_id: name for job, (_, _, name) in zip(jobs, to_submit, strict=True)}
     problems = _wait(jobs, names)
@@ -125,7 +133,7 @@ def _submit(launcher: Any, to_submit: list[tuple[int, Sequence[str], str]], init
     Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     job_params = []
     for index, overrides, name in to_submit:
-        print(f"  #{initial_job_idx + index} {name}: {' '.join(filter_overrides(overrides))}")
+        print(f"  #{initial_job_idx + index} {name}: {' '.join(filter_overrides(overrides))}", flush=True)
         job_number = initial_job_idx + index
         job_params.append(
             (list(overrides), "hydra.sweep.dir", job_number, f"job_id_for_{job_number}", Singleton.get_state())
@@ -143,7 +151,8 @@ def _submit(launcher: Any, to_submit: list[tuple[int, Sequence[str], str]], init
     first = jobs[0].job_id.split("_")[0]
     print(
         f"submitted {len(jobs)} job(s) as SLURM job {first} (watch: squeue --jobs={first}); "
-        f"scheduler logs in {folder}/<job id>/"
+        f"scheduler logs in {folder}/<job id>/",
+        flush=True,  # the launch's log is often a file (nohup, a batch script): show progress as it happens
     )
     return jobs
 
@@ -173,7 +182,7 @@ def _wait(jobs: list[Any], names: dict[str, str]) -> dict[str, str]:
             ended.add(job.job_id)
             if problem:
                 problems[job.job_id] = problem
-            print(f"{names[job.job_id]}: {problem or 'finished'} ({len(ended)}/{len(jobs)} jobs ended)")
+            print(f"{names[job.job_id]}: {problem or 'finished'} ({len(ended)}/{len(jobs)} jobs ended)", flush=True)
         if len(ended) < len(jobs):
             time.sleep(min(30.0, 2.0 + (time.monotonic() - started) / 20))  # light on slurmctld for long sweeps
     return problems
@@ -214,6 +223,15 @@ def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     own = [line for line in lines if not line.startswith(("srun:", "slurmstepd:", "submitit "))]
     return (own or lines or [""])[-1]
+
+
+def _still_queued(folder: Path) -> list[str]:
+    """Jobs submitted by an earlier launch (submitit keeps a folder per job) that SLURM has not finished."""
+    if not folder.is_dir():
+        return []
+    ids = sorted({path.name.split("_")[0] for path in folder.iterdir() if path.name.split("_")[0].isdigit()})
+    states = _queue_states(ids) if ids else {}
+    return sorted(job for job, state in (states or {}).items() if state not in ENDED_STATES)
 
 
 def _queue_states(job_ids: list[str]) -> dict[str, str] | None:
