@@ -301,7 +301,8 @@ def test_a_job_out_of_time_saves_is_requeued_and_resumes(
         f"trainer.max_steps={steps}",
         f"checkpoint_every_n_steps={steps}",  # no checkpoint but the one the signal asks for
         f"trainer.val_check_interval={steps}",
-        "logger=none",
+        "logger=csv",
+        "trainer.log_every_n_steps=1",
         "sweep_name=timelimit",
         "hydra.launcher.timeout_min=1",
         "hydra.launcher.signal_delay_s=25",
@@ -325,6 +326,7 @@ def test_a_job_out_of_time_saves_is_requeued_and_resumes(
     run = json.loads((sweep_dir / "alibi-L32-s0" / "run.json").read_text())
     assert run["resumed_from"]["step"] == saved_step() >= saved and run["steps"] == steps  # type: ignore[operator]
     assert (sweep_dir / "alibi-L32-s0" / DONE_FILE).exists()
+    assert sorted(curves(sweep_dir / "alibi-L32-s0")["train/loss"]) == list(range(steps))  # every step, once
 
 
 def test_a_job_refusing_its_setting_fails_once_with_its_error_in_the_job_log(

@@ -182,7 +182,7 @@ def _wait(jobs: list[Any], names: dict[str, str]) -> dict[str, str]:
             ended.add(job.job_id)
             if problem:
                 problems[job.job_id] = problem
-            print(f"{names[job.job_id]}: {problem or 'finished'} ({len(ended)}/{len(jobs)} jobs ended)", flush=True)
+            print(f"{problem or names[job.job_id] + ': finished'} ({len(ended)}/{len(jobs)} jobs ended)", flush=True)
         if len(ended) < len(jobs):
             time.sleep(min(30.0, 2.0 + (time.monotonic() - started) / 20))  # light on slurmctld for long sweeps
     return problems
@@ -200,7 +200,7 @@ def _failure(job: Any, name: str) -> str | None:
         if outcome.status != JobStatus.FAILED:
             return None
         error = outcome._return_value
-    message = _last_line(str(error))
+    message = _last_line(str(error)).rstrip(".")
     if "timed-out too many times" in message:
         message += (
             ": every attempt ran into the time limit; raise hydra.launcher.timeout_min or max_num_timeout, and "
