@@ -12,8 +12,10 @@ import csv
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from posenc.cluster import local
 from posenc.cluster.local import REQUEUE_DELAY_S, LocalCluster
 from posenc.config import CONF_DIR
 from posenc.runs import DONE_FILE
@@ -344,3 +347,30 @@ def test_a_job_refusing_its_setting_fails_once_with_its_error_in_the_job_log(
     time.sleep(REQUEUE_DELAY_S + 5)  # long enough for a requeued job to have started again
     info = job_info(cluster, job)
     assert (info["JobState"], info["Restarts"]) == ("FAILED", "0")
+
+
+def test_the_helper_starts_a_cluster_and_stops_everything_it_started(slurm_cluster: LocalCluster) -> None:
+    root = Path(tempfile.mkdtemp(prefix="posenc-helper-"))  # a second cluster beside the session's
+    helper = [sys.executable, "-m", "posenc.cluster.local"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*helper, *args, "--dir", str(root)], capture_output=True, text=True, timeout=120)
+
+    try:
+        up = run("up")
+        assert up.returncode == 0, up.stderr
+        assert f"export SLURM_CONF={root}/slurm.conf" in up.stdout
+        cluster = LocalCluster(root)
+        assert cluster.node_state() == "idle" and set(cluster.pids()) == {"munged", "slurmctld", "slurmd"}
+        assert cluster.run("srun", "--ntasks=2", "hostname").count("\n") == 2  # two tasks, as a DDP job runs
+        again = run("up")
+        assert again.returncode == 1 and again.stderr.strip() == (
+            f"a local cluster already runs from {root}: stop it first (down --dir {root})"
+        )
+        assert set(local.processes(cluster)) >= set(cluster.pids().values())  # the daemons carry its SLURM_CONF
+        down = run("down")
+        assert down.returncode == 0 and down.stdout.strip() == f"local SLURM cluster in {root} stopped"
+        assert local.processes(cluster) == {}  # daemons and whatever they started: gone
+    finally:
+        local.stop(root)
+        shutil.rmtree(root, ignore_errors=True)

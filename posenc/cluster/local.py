@@ -185,8 +185,9 @@ def _write_config(cluster: LocalCluster) -> None:
     root = cluster.root
     for sub in ("munge", "state", "spool", "log"):
         (root / sub).mkdir(parents=True, exist_ok=True)
-    root.chmod(0o755)
-    (root / "munge").chmod(0o755)  # munged wants its socket's directory open to every user (they all authenticate)
+    # munged wants its socket's directory, and every one above, open to every user (they all authenticate).
+    for folder in (root, root / "munge"):
+        folder.chmod(folder.stat().st_mode | 0o055)
     key = root / "munge" / "munge.key"
     if not key.exists():
         descriptor = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # munged refuses a readable key
@@ -349,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"the cluster's directory ({DEFAULT_DIR})")
     args = parser.parse_args(argv)
     if args.action == "down":
+        if not LocalCluster(args.dir.expanduser().resolve()).pids():
+            print(f"no local SLURM cluster runs from {args.dir}")
+            return
         cancelled = stop(args.dir)
         print(
             f"local SLURM cluster in {args.dir} stopped"
