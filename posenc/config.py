@@ -25,17 +25,25 @@ def _data_tag(task: str | None) -> str:
     return f"-{task}" if task else ""
 
 
+def _gpus(accelerator: str, devices: Any) -> Any:
+    """GPUs a SLURM job asks for on each node: none for a CPU run (a partition without GPUs refuses any request)."""
+    return None if accelerator == "cpu" else devices
+
+
 def register_resolvers() -> None:
     """The resolvers run names are made of.
 
     ``${posenc.label:${encoding}}``: the readable scheme name used in run names and directories;
     ``${posenc.data_tag:${oc.select:data.task,null}}``: ``-passkey`` for a task run, nothing for text, so that a
-    text run and a task run of one scheme never share a directory.
+    text run and a task run of one scheme never share a directory;
+    ``${posenc.gpus:${trainer.accelerator},${trainer.devices}}``: the GPUs per node a SLURM job asks for.
     """
     if not OmegaConf.has_resolver("posenc.label"):
         OmegaConf.register_new_resolver("posenc.label", _label)
     if not OmegaConf.has_resolver("posenc.data_tag"):
         OmegaConf.register_new_resolver("posenc.data_tag", _data_tag)
+    if not OmegaConf.has_resolver("posenc.gpus"):
+        OmegaConf.register_new_resolver("posenc.gpus", _gpus)
 
 
 def encoding_choices() -> list[str]:
@@ -57,9 +65,9 @@ def require_encoding(cfg: DictConfig, command: str, run_dir: Path | None = None)
         )
 
 
-def remove_if_only_bookkeeping(run_dir: Path) -> None:
+def remove_if_only_bookkeeping(run_dir: Path, bookkeeping: tuple[str, ...] = (".hydra", "train.log")) -> None:
     """Remove a run directory (and parents left empty) that holds nothing but Hydra's bookkeeping."""
-    if not run_dir.is_dir() or any(p.name not in (".hydra", "train.log") for p in run_dir.iterdir()):
+    if not run_dir.is_dir() or any(p.name not in bookkeeping for p in run_dir.iterdir()):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
     parent = run_dir.parent

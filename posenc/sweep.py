@@ -40,7 +40,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from posenc.config import require_encoding, to_container
+from posenc.config import remove_if_only_bookkeeping, require_encoding, to_container
 from posenc.runs import (
     CHECKPOINT,
     DONE_FILE,
@@ -55,7 +55,7 @@ from posenc.runs import (
 SWEEP_FILE = "sweep.json"
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 # Launchers that run a job as one task per device (SLURM's model): Lightning joins the tasks, starts nothing.
-TASK_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.",)
+TASK_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.", "hydra_plugins.posenc_launcher.")
 
 
 class SweepError(SystemExit):
@@ -262,11 +262,8 @@ class SweepPreflight(Callback):
             for overrides, job_config in sweep_jobs(config):
                 hydra_config.set_config(job_config)  # for ${hydra:...} in the job's directory name
                 check_launch(job_config)
-                task_config = copy.deepcopy(job_config)
-                with open_dict(task_config):
-                    del task_config["hydra"]
+                run_dir, task_config = job_dir_and_config(job_config)
                 require_encoding(task_config, "posenc.train")
-                run_dir = Path(job_config.hydra.sweep.dir) / str(job_config.hydra.sweep.subdir)
                 if run_dir in dirs:
                     raise SweepError(
                         f"two jobs of this sweep would share the directory {run_dir} ({' '.join(dirs[run_dir])} | "
@@ -275,13 +272,40 @@ class SweepPreflight(Callback):
                     )
                 dirs[run_dir] = overrides
                 try:
-                    validate(to_container(task_config))  # a job that cannot run stops the sweep before any starts
+                    # A job that cannot run stops the sweep before any starts; a SLURM job has the GPUs it asks for.
+                    submitted = str(OmegaConf.select(job_config, "hydra.launcher._target_", default="")).endswith(
+                        "SlurmLauncher"
+                    )
+                    validate(to_container(task_config), cuda=True if submitted else None)
                     states.append(job_state(run_dir, to_container(task_config)))
                 except SystemExit as error:  # a bad value, a damaged checkpoint or record: name the job
                     raise SweepError(f"job {' '.join(overrides)} ({run_dir}): {error}") from None
         finally:
             hydra_config.cfg = previous
         return states
+
+
+def job_dir_and_config(job_config: DictConfig) -> tuple[Path, DictConfig]:
+    """A composed job's run directory and its config without the ``hydra`` node, as the job itself sees them.
+
+    ``${hydra:...}`` in the directory name resolves against the Hydra config in use: set it to ``job_config``.
+    """
+    task_config = copy.deepcopy(job_config)
+    with open_dict(task_config):
+        del task_config["hydra"]
+    return Path(job_config.hydra.sweep.dir) / str(job_config.hydra.sweep.subdir), task_config
+
+
+def composed_job_state(job_config: DictConfig) -> JobState:
+    """What a job of a sweep will find in its directory, from its composed config (``hydra`` node included)."""
+    hydra_config = HydraConfig.instance()
+    previous = hydra_config.cfg
+    hydra_config.set_config(job_config)
+    try:
+        run_dir, task_config = job_dir_and_config(job_config)
+        return job_state(run_dir, to_container(task_config))
+    finally:
+        hydra_config.cfg = previous
 
 
 def _record_launch(sweep_dir: Path, name: str, overrides: list[str]) -> dict[str, Any]:
@@ -291,3 +315,17 @@ def _record_launch(sweep_dir: Path, name: str, overrides: list[str]) -> dict[str
     record.setdefault("launches", []).append({"time": stamp, "overrides": overrides})
     write_json(path, record)
     return record
+
+
+def forget_launch(sweep_dir: Path) -> None:
+    """Undo the bookkeeping of a launch whose jobs were refused: its record, and the directory if it made it."""
+    path = sweep_dir / SWEEP_FILE
+    if not path.exists():
+        return
+    record = json.loads(path.read_text())
+    record["launches"] = record.get("launches", [])[:-1]
+    if record["launches"]:
+        write_json(path, record)
+        return
+    path.unlink()
+    remove_if_only_bookkeeping(sweep_dir, ("multirun.yaml", ".submitit"))

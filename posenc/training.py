@@ -9,13 +9,19 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import signal
+import threading
 import time
 import warnings
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from posenc.evaluate import RESULTS_FILE
 from posenc.evaluate.runner import ExtrapolationEval
@@ -140,17 +146,81 @@ class TokenAccounting(Callback):
 
 
 class SaveOnInterrupt(Callback):
-    """Ctrl-C: save ``last.ckpt`` at the current step and print the command that resumes the run."""
+    """Save ``last.ckpt`` at the step where a run is stopped early, so that it resumes exactly there.
 
-    def __init__(self, checkpoint: Path, resume_command: str) -> None:
-        self.checkpoint, self.resume_command = checkpoint, resume_command
+    - Ctrl-C: save, and print the command that resumes the run.
+    - SIGTERM (``scancel``, ``scontrol requeue``, a preemption, a time limit reached): Lightning notes it and stops
+      every rank at the next step boundary with ``SIGTERMException``; save there. ``fit`` then ends the run with
+      one line saying how to resume (SLURM restarts a requeued job by itself, and it resumes from that step).
+    - The scheduler's warning before a time limit (``requeue_signal``: SLURM sends it ``signal_delay_s`` before the
+      limit, and submitit's handler answers it by requeueing the job). While training, the signal is only noted:
+      at the end of the step every rank learns of it (one all-reduce), all save, the step's figures are logged,
+      and at the start of the next step the signal goes on to submitit's handler, which requeues the job (counted
+      against ``max_num_timeout``) and exits. Answered at once, as submitit or Lightning's own auto-requeue would,
+      the signal can land inside an optimizer step, and the checkpoint would hold half-updated weights.
+    """
+
+    def __init__(self, checkpoint: Path, resume_command: str, requeue_signal: int = signal.SIGUSR2) -> None:
+        self.checkpoint, self.resume_command, self.requeue_signal = checkpoint, resume_command, requeue_signal
+        self.handover: Any = None  # the requeue signal's handler before training (submitit's), while we hold it
+        self.noted = False  # the requeue signal arrived during this step
+        self.saved_at: int | None = None  # the step saved for the requeue, handed over at the next step's start
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        handler = signal.getsignal(self.requeue_signal)
+        # Only where a job scheduler's handler waits for the signal (submitit's, in a SLURM job), and only from the
+        # main thread, the one Python runs signal handlers in.
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            self.handover = handler
+            signal.signal(self.requeue_signal, self._note)
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.noted = True
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0  # mid-accumulation is no step boundary
+        if self.handover is None or self.saved_at is not None or not stepped:
+            return
+        # Every rank stops at the same step, even if the signal reached them during different steps.
+        if trainer.strategy.reduce_boolean_decision(self.noted, all=False):
+            trainer.save_checkpoint(self.checkpoint)
+            self.saved_at = trainer.global_step
+            if trainer.is_global_zero:
+                print(f"SLURM's time-limit signal: saved {self.checkpoint} at step {self.saved_at}; requeueing")
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.saved_at is not None:
+            self._hand_over()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.handover is None:
+            return
+        if self.noted and self.saved_at is None:  # the signal came during the last step: save before the evaluation
+            trainer.save_checkpoint(self.checkpoint)
+            self.saved_at = trainer.global_step
+        if self.saved_at is not None:
+            self._hand_over()
+        signal.signal(self.requeue_signal, self.handover)
+        self.handover = None
+
+    def _hand_over(self) -> None:
+        """Give the signal to submitit's handler: on rank zero it requeues the job and exits; elsewhere it returns."""
+        handler, self.handover = self.handover, None
+        signal.signal(self.requeue_signal, handler)
+        handler(self.requeue_signal, None)
+        raise SystemExit(-1)  # the other ranks: the requeued job starts them again
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, KeyboardInterrupt):
+        if self.handover is not None:
+            signal.signal(self.requeue_signal, self.handover)
+            self.handover = None
+        if isinstance(exception, KeyboardInterrupt | SIGTERMException):
             trainer.save_checkpoint(self.checkpoint)
-            if trainer.is_global_zero:
-                print(f"interrupted at step {trainer.global_step}; saved {self.checkpoint}. Resume with:")
-                print(f"  {self.resume_command}")
+        if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero:
+            print(f"interrupted at step {trainer.global_step}; saved {self.checkpoint}. Resume with:")
+            print(f"  {self.resume_command}")
 
 
 def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None) -> dict[str, Any]:
@@ -203,10 +273,21 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
         evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
         callbacks.append(evaluation)
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        # submitit requeues a job that is running out of time (SaveOnInterrupt saves first); Lightning's own
+        # auto-requeue would requeue it a second time, from a checkpoint taken inside its signal handler.
+        trainer_cfg["plugins"] = [SLURMEnvironment(auto_requeue=False)]
     trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
     started = time.perf_counter()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    except SIGTERMException:
+        finish_loggers(loggers, success=False)
+        raise RunError(
+            f"{config['run_name']}: stopped by SIGTERM at step {trainer.global_step} and saved {run_dir / CHECKPOINT}; "
+            "a requeued SLURM job resumes there by itself, else resume with "
+            f"{resume_command or f'resume=last in {run_dir}'}"
+        ) from None
     except DivergedError as err:
         finish_loggers(loggers, success=False)
         checkpoint = run_dir / CHECKPOINT

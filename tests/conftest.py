@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +34,29 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator:
+    """A one-node SLURM cluster on this machine for the session (``posenc.cluster.local``); skipped without SLURM.
+
+    Its daemons are stopped by their process ids at the end, after its jobs are cancelled; nothing that used the
+    cluster may outlive it (a process still carrying its ``SLURM_CONF`` fails the session's teardown).
+    """
+    from posenc.cluster import local
+
+    reason = local.unavailable()
+    if reason:
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="posenc-slurm-"))  # under /tmp: munged wants every parent open to all
+    try:
+        cluster = local.start(root)
+        yield cluster
+    finally:
+        local.stop(root)
+        left = local.processes(local.LocalCluster(root))
+        shutil.rmtree(root, ignore_errors=True)
+    assert not left, f"processes of the test cluster still running: {left}"
 
 
 def make(name: str, heads: int = HEADS, head_dim: int = HEAD_DIM, **cfg):

@@ -33,6 +33,7 @@ LAYERS = {
     "api": 8,
     "sweep": 8,
     "evaluate": 9,
+    "cluster": 9,  # the SLURM launcher (above the sweep's bookkeeping) and the local cluster
     "training": 10,
     "report": 10,
     "bench_compare": 10,

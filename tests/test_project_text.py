@@ -28,7 +28,7 @@ FORBIDDEN = re.compile(
 
 def test_no_file_refers_to_what_is_not_the_project() -> None:
     files = [ROOT / "README.md", ROOT / "pyproject.toml"]
-    for folder in ("docs", "posenc", "tests", "conf", "sweeps"):
+    for folder in ("docs", "posenc", "tests", "conf", "sweeps", "hydra_plugins"):
         files += [p for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".yaml", ".toml")]
     found = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"

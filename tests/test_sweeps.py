@@ -8,11 +8,15 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import submitit
 from helpers import FAST, compose_train
 from hydra import compose, initialize_config_dir
+from hydra._internal.callbacks import Callbacks
+from hydra.core.global_hydra import GlobalHydra
+from hydra.types import HydraContext
 from hydra.utils import instantiate
 
 from posenc.config import CONF_DIR, encoding_choices
@@ -186,25 +190,40 @@ def test_gpu_reproduction_sweep_trains_every_config_at_512_with_the_small_model(
     assert list(config.eval.multiples) == [1, 2, 4, 8, 16, 32]
 
 
-def test_submitit_slurm_config_builds_the_expected_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_srun = tmp_path / "bin" / "srun"  # submitit only checks that srun exists; nothing is submitted
-    fake_srun.parent.mkdir()
+class _SubmittedError(Exception):
+    """Stops the launcher where sbatch would run: nothing is submitted."""
+
+
+def _sbatch_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> tuple[str, Any]:
+    """The sbatch script the SLURM launcher would submit for a two-job sweep, and submitit's executor."""
+    fake_srun = tmp_path / "bin" / "srun"  # submitit only checks that srun exists
+    fake_srun.parent.mkdir(exist_ok=True)
     fake_srun.write_text("#!/bin/sh\nexit 1\n")
     fake_srun.chmod(fake_srun.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{fake_srun.parent}{os.pathsep}{os.environ['PATH']}")
     executors = []
-    monkeypatch.setattr(submitit.AutoExecutor, "map_array", lambda self, *args: executors.append(self) or [])
 
-    overrides = ["+encoding=alibi", "trainer=ddp", "trainer.num_nodes=2", "launcher=submitit_slurm"]
-    overrides += ["hydra.launcher.partition=gpu", "hydra.launcher.account=lab", f"output_root={tmp_path}"]
+    def submit(self: Any, *args: Any) -> None:
+        executors.append(self)
+        raise _SubmittedError
+
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", submit)
+    overrides = ("+encoding=alibi", "launcher=submitit_slurm", f"output_root={tmp_path}", *overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        config = compose("train", overrides=overrides, return_hydra_config=True)
-    launcher = instantiate(config.hydra.launcher)
-    launcher.setup(hydra_context=None, task_function=None, config=config)
-    launcher.launch([["seed=0"], ["seed=1"]], initial_job_idx=0)  # the plugin's own code, up to sbatch
-
+        config = compose("train", overrides=list(overrides), return_hydra_config=True)
+        launcher = instantiate(config.hydra.launcher)
+        context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=Callbacks())
+        launcher.setup(hydra_context=context, task_function=None, config=config)
+        jobs = [[*config.hydra.overrides.task, f"seed={seed}"] for seed in (0, 1)]  # as the sweeper passes them
+        with pytest.raises(_SubmittedError):
+            launcher.launch(jobs, initial_job_idx=0)  # the plugins' own code, up to sbatch
     (executor,) = executors
-    sbatch = executor._executor._make_submission_file_text("python -m posenc.train", "uid")
+    return executor._executor._make_submission_file_text("python -m posenc.train", "uid"), executor
+
+
+def test_submitit_slurm_config_builds_the_expected_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    overrides = ("trainer=ddp", "trainer.num_nodes=2", "hydra.launcher.partition=gpu", "hydra.launcher.account=lab")
+    sbatch, executor = _sbatch_script(tmp_path, monkeypatch, *overrides)
     for line in (
         "--partition=gpu",
         "--account=lab",
@@ -219,6 +238,11 @@ def test_submitit_slurm_config_builds_the_expected_sbatch(tmp_path: Path, monkey
         assert f"#SBATCH {line}\n" in sbatch, line
     assert executor._executor.max_num_timeout == 3  # a job out of time is requeued, and resumes
     assert str(tmp_path / "sweeps" / "multirun" / ".submitit") in str(executor._executor.folder)
+
+
+def test_a_cpu_run_asks_slurm_for_no_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sbatch, _ = _sbatch_script(tmp_path, monkeypatch, "trainer.accelerator=cpu", "trainer.devices=2")
+    assert "#SBATCH --ntasks-per-node=2\n" in sbatch and "gpus" not in sbatch  # a CPU partition refuses any GPU
 
 
 def test_slurm_launcher_without_srun_is_refused_in_one_line_before_anything_is_written(tmp_path: Path) -> None:

@@ -138,12 +138,18 @@ def check_model(config: Mapping[str, Any]) -> None:
         )
 
 
-def check_device(config: Mapping[str, Any]) -> None:
-    """FlexAttention has no CPU backward: training with ``attention=flex`` needs a CUDA GPU."""
-    import torch
+def check_device(config: Mapping[str, Any], cuda: bool | None = None) -> None:
+    """FlexAttention has no CPU backward: training with ``attention=flex`` needs a CUDA GPU.
 
+    ``cuda``: whether the run will have one; ``None``: whether this machine has one. A sweep submitted to SLURM
+    checks on a login node for jobs that run elsewhere, with the GPUs they ask for.
+    """
     attention, accelerator = config["attention"]["name"], config["trainer"]["accelerator"]
-    on_gpu = accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    on_gpu = accelerator in ("auto", "gpu", "cuda") and cuda
     if attention == "flex" and not on_gpu:
         raise RunError(
             "attention=flex trains only on a CUDA GPU (FlexAttention has no CPU backward): use attention=auto "
@@ -151,13 +157,16 @@ def check_device(config: Mapping[str, Any]) -> None:
         )
 
 
-def validate(config: Mapping[str, Any]) -> None:
-    """Refuse a config that cannot train or evaluate, before anything is built or written."""
+def validate(config: Mapping[str, Any], cuda: bool | None = None) -> None:
+    """Refuse a config that cannot train or evaluate, before anything is built or written.
+
+    ``cuda``: whether the run will have a CUDA GPU (``check_device``).
+    """
     problems = config_problems(config)
     if problems:
         raise RunError("; ".join(problems))
     check_model(config)
-    check_device(config)
+    check_device(config, cuda)
 
 
 def check_data(datamodule: TextDataModule | TaskDataModule) -> dict[str, Any]:
