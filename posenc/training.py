@@ -18,7 +18,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 
-from posenc.evaluate import RESULTS_FILE
+from posenc.evaluate import RESULTS_FILE, sliding_dir
+from posenc.evaluate.curve import ValidationAccuracy
 from posenc.evaluate.runner import ExtrapolationEval
 from posenc.lit import DivergedError, LitDecoder
 from posenc.loggers import build_loggers, finish_loggers
@@ -204,13 +205,20 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
     ]
     if loggers:  # it only logs, and refuses to run without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
+    task = config["data"].get("task")
+    curve = ValidationAccuracy() if task else None  # a task run's in-length accuracy at every validation
+    if curve is not None:
+        callbacks.append(curve)
     evaluation = None
     if config["eval"]["at_end"]:
-        task = config["data"].get("task")
         # Held-out text for language-modelling runs (task runs are scored on their task); picklable, for ddp_spawn.
         stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
         evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
         callbacks.append(evaluation)
+        # The other protocol from the same run: sliding windows at each stride fixed in advance, beside eval/.
+        for fraction in [] if task else config["eval"].get("sliding_fractions") or []:
+            sliding = {**config["eval"], "mode": "sliding", "stride": None, "stride_fraction": fraction}
+            callbacks.append(ExtrapolationEval(info, sliding, run_dir / sliding_dir(fraction), stream, task))
     trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
     started = time.perf_counter()
     try:
@@ -243,6 +251,7 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         "tokens_per_sec": accounting_callback.tokens_per_sec(steps),
         "checkpoint": str(run_dir / CHECKPOINT),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
+        "val_curve": curve.history if curve is not None else None,
         "eval": _eval_summary(evaluation, run_dir),
     }
     finish_loggers(loggers, success=True)

@@ -143,6 +143,56 @@ def test_sliding_with_a_stride_that_does_not_divide_scores_every_target_once() -
         assert sliding.loss == pytest.approx(disjoint.loss, rel=1e-12), stride
 
 
+def test_a_stride_fraction_slides_each_length_by_its_share_and_scores_every_target_once() -> None:
+    model = Bigram()
+    lengths = [32, 64, 128]
+    (disjoint,) = evaluate_lengths(model, stream(), [32], mode="nonoverlap", max_tokens=2048)
+    rows = evaluate_lengths(model, stream(), lengths, mode="sliding", stride_fraction=0.125, max_tokens=2048)
+    assert [row.stride for row in rows] == [4, 8, 16] and {row.stride_fraction for row in rows} == {0.125}
+    assert all(row.loss == pytest.approx(disjoint.loss, rel=1e-12) for row in rows)  # context-free: same loss
+    whole = evaluate_lengths(Counter(), stream(), lengths, mode="sliding", stride_fraction=1.0, max_tokens=2048)
+    plain = evaluate_lengths(Counter(), stream(), lengths, mode="nonoverlap", max_tokens=2048)
+    assert [r.loss for r in whole] == pytest.approx([r.loss for r in plain], rel=1e-12)  # a stride of N is disjoint
+    with pytest.raises(ValueError, match="needs one stride"):
+        evaluate_lengths(model, stream(), [32], mode="sliding", stride=8, stride_fraction=0.5)
+
+
+def test_each_documents_loss_is_recorded_and_they_sum_to_the_total() -> None:
+    documents = np.repeat(np.arange(5), 1000)  # five documents of 1,000 tokens
+    rows = evaluate_lengths(Counter(), stream(), [32, 128], mode="sliding", stride=24, max_tokens=4096,
+                            documents=documents)  # fmt: skip
+    for row in rows:
+        assert len(row.document_loss) == 5  # the targets 1..4096 reach into the fifth document
+        assert sum(row.document_loss) == pytest.approx(row.loss * row.tokens, rel=1e-9)
+    # worked out target by target for disjoint windows of 32: target t is predicted at position (t − 1) mod 32
+    (disjoint,) = evaluate_lengths(Counter(), stream(), [32], max_tokens=4096, documents=documents)
+    tokens = torch.from_numpy(stream()[: 4096 + 1].astype(np.int64))
+    logits = Counter()(tokens[:-1].reshape(-1, 32)).reshape(4096, VOCAB)
+    losses = torch.nn.functional.cross_entropy(logits, tokens[1:], reduction="none").double().detach()
+    by_document = np.bincount(documents[1:4097], weights=losses.numpy())
+    assert disjoint.document_loss == pytest.approx(by_document.tolist(), rel=1e-6)  # float32 losses, summed apart
+
+
+def test_the_held_out_sample_takes_a_piece_of_every_document() -> None:
+    from posenc.data.heldout import document_bounds, heldout_sample, piece_cap
+
+    eod = 256
+    sizes = [5000, 40, 900, 12000, 300]
+    split = np.concatenate([np.concatenate([np.full(n, i % 200), [eod]]) for i, n in enumerate(sizes)])
+    assert [end - start for start, end in document_bounds(split, eod)] == [n + 1 for n in sizes]
+    assert piece_cap(sizes, 40 + 300 + 3 * 700) == 700  # 40 + 300 + 700 · 3 = 2440
+    held = heldout_sample(split, 2440 + 5 - 1, "documents", seed=3, eod=eod)
+    assert held.sample == "documents" and held.cap == 700
+    assert sorted(set(held.documents.tolist())) == [0, 1, 2, 3, 4]  # every document, even the short ones whole
+    assert [int((held.documents == i).sum()) for i in range(5)] == [701, 41, 701, 701, 301]
+    assert all(set(held.tokens[held.documents == i][:-1].tolist()) == {i % 200} for i in range(5))  # its own text
+    assert np.array_equal(held.tokens, heldout_sample(split, 2444, "documents", seed=3, eod=eod).tokens)  # seeded
+    assert heldout_sample(split, 1000, "head", eod=eod).tokens.size == 1001
+    assert heldout_sample(split, None, eod=eod).sample == "split"
+    described = held.describe(2444)  # the targets a full budget scores: every document's piece
+    assert described["documents"] == [0, 1, 2, 3, 4] and described["tokens"] == [700, 41, 701, 701, 301]
+
+
 class ShapeRecorder(nn.Module):
     """Uniform logits, recording every input shape: each new shape is one compilation of a static-shape model."""
 
