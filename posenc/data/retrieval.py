@@ -220,7 +220,7 @@ def keyless_rates(
     """
     options = evaluation_options(options)
     if task == "mqar":
-        blind, eliminating = mqar.keyless_floors(int(options.get("num_pairs", 8)))
+        blind, eliminating = mqar.keyless_floors(int(options.get("num_pairs", mqar.NUM_PAIRS)))
         return {
             "keyless_exact": blind,
             "keyless_first_byte": blind,

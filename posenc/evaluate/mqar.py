@@ -73,7 +73,7 @@ def evaluate_mqar(
     model was trained with).
     """
     options = dict(options or {})
-    num_pairs = int(options.get("num_pairs", 8))
+    num_pairs = int(options.get("num_pairs", mqar.NUM_PAIRS))
     blind, eliminating = mqar.keyless_floors(num_pairs)
     floors = {
         "chance_exact": mqar.chance_rate(int(options.get("vocab", mqar.VOCAB))),
