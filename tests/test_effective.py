@@ -39,10 +39,10 @@ def test_a_recovery_after_a_failure_does_not_count() -> None:
 
 def test_task_accuracy_is_a_fraction_of_in_length() -> None:
     # in-length 0.9: holds while ≥ 0.72; first-byte accuracy (in-length 1.0) holds while ≥ 0.8
-    rows = task_rows("assoc", 0.9, 0.8, 0.72, 0.5, first_byte_accuracy=[1.0, 0.9, 0.85, 0.79])
-    results = {"train_len": 64, "assoc": rows}
-    assert effective_lengths(results) == {"assoc": 256, "assoc_first_byte_accuracy": 256}
-    assert effective_lengths(results, acc_fraction=0.85) == {"assoc": 128, "assoc_first_byte_accuracy": 256}
+    rows = task_rows("multikey", 0.9, 0.8, 0.72, 0.5, first_byte_accuracy=[1.0, 0.9, 0.85, 0.79])
+    results = {"train_len": 64, "multikey": rows}
+    assert effective_lengths(results) == {"multikey": 256, "multikey_first_byte_accuracy": 256}
+    assert effective_lengths(results, acc_fraction=0.85) == {"multikey": 128, "multikey_first_byte_accuracy": 256}
 
 
 def test_depths_are_averaged_before_the_rule() -> None:
@@ -67,14 +67,14 @@ def test_no_in_length_figure_gives_none() -> None:
 def test_a_task_at_its_floor_has_no_effective_length() -> None:
     floors = {"keyless_exact": 0.46, "chance_exact": 0.1, "keyless_first_byte": 0.46, "chance_first_byte": 0.1}
     # at the keyless floor in-length (guessing among the block's values): not learned, whatever it does further out
-    guessing = task_rows("assoc", 0.41, 0.40, 0.39, token_accuracy=[0.41, 0.40, 0.39])
-    results = {"train_len": 64, "assoc": [{**row, **floors} for row in guessing]}
-    assert effective_lengths(results) == {"assoc": None, "assoc_token_accuracy": None}
+    guessing = task_rows("multikey", 0.41, 0.40, 0.39, token_accuracy=[0.41, 0.40, 0.39])
+    results = {"train_len": 64, "multikey": [{**row, **floors} for row in guessing]}
+    assert effective_lengths(results) == {"multikey": None, "multikey_token_accuracy": None}
     # learned (0.9 in-length): 0.75 at 2x holds, 0.46 at 4x is ≥ 0.8 × 0.5 but at the floor, so it does not
-    learned = task_rows("assoc", 0.9, 0.75, 0.46, first_byte_accuracy=[0.5, 0.46, 0.46])
-    results = {"train_len": 64, "assoc": [{**row, **floors} for row in learned]}
-    assert effective_lengths(results) == {"assoc": 128, "assoc_first_byte_accuracy": 64}
-    assert effective_lengths(results, acc_fraction=0.5) == {"assoc": 128, "assoc_first_byte_accuracy": 64}
+    learned = task_rows("multikey", 0.9, 0.75, 0.46, first_byte_accuracy=[0.5, 0.46, 0.46])
+    results = {"train_len": 64, "multikey": [{**row, **floors} for row in learned]}
+    assert effective_lengths(results) == {"multikey": 128, "multikey_first_byte_accuracy": 64}
+    assert effective_lengths(results, acc_fraction=0.5) == {"multikey": 128, "multikey_first_byte_accuracy": 64}
     # rows without floors (passkey, copy, older results) keep the plain rule
     assert effective_lengths({"train_len": 64, "copy": task_rows("copy", 0.4, 0.4)}) == {"copy": 128}
 

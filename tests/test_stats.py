@@ -37,10 +37,6 @@ def test_interval_over_three_seeds() -> None:
         t_interval([])
 
 
-def test_the_hand_written_t_distribution_is_gone() -> None:
-    assert not hasattr(stats, "t_central") and not hasattr(stats, "t_quantile")
-
-
 def test_paired_comparison_by_hand() -> None:
     # differences 0.5, 1, 2: mean 7/6, variance 7/12, so t = (7/6) / √(7/36) = √7 on 2 degrees of freedom
     result = paired_comparison([1.0, 2.0, 4.0], [0.5, 1.0, 2.0])

@@ -133,7 +133,7 @@ def evaluate_retrieval_tasks(
             lengths = lengths_for(options["multiples"])
             generator_options = task_options if task == trained_task else None
             if task == "mqar":
-                train_len = lengths_for([1])[0]
+                train_len = lengths_for([1])[0]  # the training length itself (multiple 1, always supported)
                 out |= evaluate_mqar(
                     model, lengths, train_len, options["samples"], seed, tokens_per_batch, generator_options
                 )
