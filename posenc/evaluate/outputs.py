@@ -175,6 +175,8 @@ def print_results(results: dict[str, Any]) -> None:
     for name in TASK_NAMES:
         if name == "mqar" and name in results:
             print("\n".join(mqar_lines(results)))
+            if results.get("trained_task") != name:
+                print(f"  ({label} was not trained on mqar's format: these figures measure the format, not recall)")
         elif name in results:
             exact = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
             byte = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_byte_acc@")}

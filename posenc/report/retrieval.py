@@ -108,8 +108,10 @@ def sweep_table(task: str, train_len: int, by_label: Columns, chosen: dict[str, 
     out = [
         f"Learning-rate sweep: each scheme's rate selected on the final validation accuracy (held-out windows of the "
         f"training format), marked ✓; still moving: the largest change of validation accuracy over the last "
-        f"{LAST_PART:.0%} of training (mean over seeds [largest]). Selecting the best of a sweep favours the selected "
-        "columns a little, as in Zoology's reports; the selection never sees the evaluation windows.",
+        f"{LAST_PART:.0%} of training (mean over seeds [largest]). A curve flat at a keyless floor is a plateau, not "
+        "convergence: the lookup can still form later, so 0 of n learned says 'not in this budget', not 'cannot'. "
+        "Selecting the best of a sweep favours the selected columns a little, as in Zoology's reports; the selection "
+        "never sees the evaluation windows.",
         "",
         "| column | lr | learned | in-length accuracy, each seed | final validation accuracy | still moving | |",
         "|---|---:|---:|---|---:|---:|---|",
