@@ -307,10 +307,10 @@ def test_report_builds_the_expected_table(tmp_path: Path) -> None:
     lines = markdown.splitlines()
     assert "| length | ×L | alibi (n=2 · ? steps · ? tokens) | sinusoidal (n=1 · ? steps · ? tokens) |" in lines
     # Mean ± the 95% Student-t half-width over two seeds (t = 12.706 at 1 degree of freedom: 12.706 · s / √2), ◆ the
-    # best mean at each length; a one-seed column shows its mean alone.
-    assert "| 64 | 1 | 11.00 ± 12.71 | 10.00 ◆ |" in lines
-    assert "| 256 | 4 | 11.50 ± 19.06 ◆ | 200.00 |" in lines
-    assert "| 256 | 4 | 1.042 ± 0.529 ◆ | 20.000 |" in lines  # ratio table: (1.0, 13/12) and 20
+    # best mean at each length; a one-seed column shows its mean alone, and one shared seed is no paired test (?).
+    assert "| 64 | 1 | 11.00 ± 12.71 ? | 10.00 ◆ |" in lines
+    assert "| 256 | 4 | 11.50 ± 19.06 ◆ | 200.00 ? |" in lines
+    assert "| 256 | 4 | 1.042 ± 0.529 ◆ | 20.000 ? |" in lines  # ratio table: (1.0, 13/12) and 20
     assert (tmp_path / "report" / "report.md").exists()
     assert (tmp_path / "report" / "ppl_vs_length_L64_nonoverlap.png").stat().st_size > 0
 
@@ -372,11 +372,14 @@ def test_task_training_is_scored_on_the_task(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "perplexity" not in results
     assert sorted({row["length"] for row in results["passkey"]}) == [16, 32]
-    figures = {key for key in summary["eval"] if not key.startswith("effective_length/")}
+    figures = {key for key in summary["eval"] if not key.startswith("effective_length_")}
     assert figures == {"passkey_acc@1x", "passkey_acc@2x", "passkey_byte_acc@1x", "passkey_byte_acc@2x"}
     effective = set(summary["eval"]) - figures  # a metric whose in-length figure is 0 has no effective length
-    assert effective <= {"effective_length/passkey", "effective_length/passkey_token_accuracy"}
-    assert set(results["effective_length"]) == {"passkey", "passkey_token_accuracy"}
+    rules = {f"effective_length_{rule}/{metric}" for rule in ("absolute", "relative") for metric in ("passkey",
+             "passkey_token_accuracy")}  # fmt: skip
+    assert effective <= rules
+    assert set(results["effective_length"]["relative"]) == {"passkey", "passkey_token_accuracy"}
+    assert set(results["effective_length"]["absolute"]) == {"passkey", "passkey_token_accuracy"}
 
 
 def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:
@@ -397,7 +400,8 @@ def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:
         (folder / "results.json").write_text(json.dumps({"label": label, "train_len": 64, "seed": 0, "passkey": rows}))
     markdown = build_report(find_results([tmp_path]), tmp_path / "report")
     lines = markdown.splitlines()
-    assert "| 64 | 1 | 1.00 ◆ | 1.00 ◆ |" in lines  # a tie: both best
-    assert "| 256 | 4 | 0.50 | 1.00 ◆ |" in lines  # alibi: the far key lost, the near one found
-    assert "| 0 | 0.00 | 1.00 ◆ |" in lines and "| 1 | 1.00 ◆ | 1.00 ◆ |" in lines  # by depth at 256
+    # one seed each: its accuracy and the Wilson interval of its keys (4 per depth, 8 per length), no marks
+    assert "| 64 | 1 | 1.00 [0.68, 1.00] | 1.00 [0.68, 1.00] |" in lines
+    assert "| 256 | 4 | 0.50 [0.22, 0.78] | 1.00 [0.68, 1.00] |" in lines  # alibi: the far key lost, the near found
+    assert "| 0 | 0.00 [0.00, 0.49] | 1.00 [0.51, 1.00] |" in lines  # by depth at 256: 0 and 4 of 4
     assert (tmp_path / "report" / "passkey_accuracy_L64.png").exists()

@@ -119,3 +119,18 @@ def test_report_refuses_a_threshold_that_makes_no_sense_in_one_line(flag: str, t
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert flag.split("=")[0] in done.stderr
+
+
+def test_without_validation_curves_no_rate_is_selected_and_every_rate_is_tabled(tmp_path: Path) -> None:
+    for seed in range(2):
+        for lr in (0.001, 0.003):
+            _mqar_run(tmp_path, "rope", lr, seed, 0.3, 0.3)
+    for run_json in tmp_path.rglob("run.json"):
+        run_json.unlink()  # results written before runs recorded their validation curve
+    markdown = build_report(find_results([tmp_path]), tmp_path / "out", make_plots=False)
+    header = next(
+        line for line in markdown.split("Exact match by window length")[1].splitlines() if "| length |" in line
+    )
+    assert "rope · lr=0.001" in header and "rope · lr=0.003" in header
+    assert not any(line.endswith("| ✓ |") for line in markdown.splitlines())
+    assert "No rate selected for rope: a run recorded no validation curve" in markdown

@@ -46,9 +46,8 @@ class HeldOut:
 
 def document_bounds(stream: np.ndarray, eod: int = ByteTokenizer.eod) -> list[tuple[int, int]]:
     """(start, end) of every document of a stream, its end-of-document token included (a tail without one too)."""
-    ends = np.flatnonzero(np.asarray(stream) == eod) + 1
-    starts = np.concatenate([[0], ends[:-1]]) if ends.size else np.array([0])
-    bounds = list(zip(starts.tolist(), ends.tolist(), strict=True))
+    ends = (np.flatnonzero(np.asarray(stream) == eod) + 1).tolist()
+    bounds = list(zip([0, *ends[:-1]], ends, strict=True)) if ends else []
     tail = bounds[-1][1] if bounds else 0
     if tail < len(stream):
         bounds.append((tail, len(stream)))

@@ -78,14 +78,13 @@ def final_validation(runs: list[dict[str, Any]]) -> float | None:
 
 def selected(by_label: Columns) -> tuple[Columns, dict[str, str]]:
     """The columns the tables show (the selected rate of every swept scheme) and {scheme: the selected column}."""
-    chosen = {}
+    chosen, dropped = {}, set()
     for scheme, labels in lr_sweeps(by_label).items():
         scores = {label: final_validation(by_label[label]) for label in labels}
-        if all(score is not None for score in scores.values()):
+        if all(score is not None for score in scores.values()):  # else no selection: every rate stays tabled
             chosen[scheme] = max(labels, key=lambda label: scores[label])
-    swept = {label for labels in lr_sweeps(by_label).values() for label in labels}
-    kept = {label: runs for label, runs in by_label.items() if label not in swept or label in chosen.values()}
-    return kept, chosen
+            dropped |= set(labels) - {chosen[scheme]}
+    return {label: runs for label, runs in by_label.items() if label not in dropped}, chosen
 
 
 def learned_cell(runs: list[dict[str, Any]], task: str, train_len: int) -> str:
@@ -131,6 +130,10 @@ def sweep_table(task: str, train_len: int, by_label: Columns, chosen: dict[str, 
                 f"| {label} | {identity(runs[0])[LR]:g} | {learned_cell(runs, task, train_len)} | {seeds} | "
                 f"{final_text} | {moving} | {mark} |"
             )
+    unselected = [scheme for scheme in order(sweeps) if scheme not in chosen]
+    if unselected:
+        out += ["", f"No rate selected for {', '.join(unselected)}: a run recorded no validation curve, so every rate "
+                "of it is tabled below."]  # fmt: skip
     return [*out, ""]
 
 
