@@ -26,8 +26,11 @@ from posenc.runs import DONE_FILE, experiment_settings, read_json
 # Never part of an identity: the seed is what is pooled over; paths name where data lies (the fingerprint says
 # what it is); the training config's own eval section is replaced by the settings the results were made with.
 NOT_IDENTITY = ("seed", "data.corpus_options.paths", "eval", "label", "data_info")
-# Evaluation settings that change how, not what, is computed.
-EVAL_RUNTIME = ("plots", "at_end", "tokens_per_batch")
+# Evaluation settings that change how, not what, is computed (sliding_fractions adds evaluations of their own).
+EVAL_RUNTIME = ("plots", "at_end", "tokens_per_batch", "sliding_fractions")
+# Settings added after results were written whose default is not what those results did: a result that does not
+# record one did this (it scored the head of the split), so it never pools with a result that scored every document.
+INTRODUCED = {"eval.sample": "head"}
 # What every results.json holds besides settings: identity, figures, bookkeeping.
 RESULT_FIELDS = {
     "label",
@@ -142,7 +145,7 @@ def columns(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     for label, group in by_label.items():
         settings = [identity(run) for run in group]
         keys = sorted({key for one in settings for key in one})
-        defaults = _defaults()
+        defaults = {**_defaults(), **INTRODUCED}
         # A key an older run did not record takes the project's default; with no default known, it differs.
         filled = [{key: one.get(key, defaults.get(key, UNSET)) for key in keys} for one in settings]
         identities: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}

@@ -23,7 +23,8 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from posenc.evaluate import RESULTS_FILE
+from posenc.evaluate import RESULTS_FILE, sliding_dir
+from posenc.evaluate.curve import ValidationAccuracy
 from posenc.evaluate.runner import ExtrapolationEval
 from posenc.lit import DivergedError, LitDecoder
 from posenc.loggers import build_loggers, finish_loggers
@@ -266,13 +267,20 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
     ]
     if loggers:  # it only logs, and refuses to run without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
+    task = config["data"].get("task")
+    curve = ValidationAccuracy() if task else None  # a task run's in-length accuracy at every validation
+    if curve is not None:
+        callbacks.append(curve)
     evaluation = None
     if config["eval"]["at_end"]:
-        task = config["data"].get("task")
         # Held-out text for language-modelling runs (task runs are scored on their task); picklable, for ddp_spawn.
         stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
         evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
         callbacks.append(evaluation)
+        # The other protocol from the same run: sliding windows at each stride fixed in advance, beside eval/.
+        for fraction in [] if task else config["eval"].get("sliding_fractions") or []:
+            sliding = {**config["eval"], "mode": "sliding", "stride": None, "stride_fraction": fraction}
+            callbacks.append(ExtrapolationEval(info, sliding, run_dir / sliding_dir(fraction), stream, task))
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         # submitit requeues a job that is running out of time (SaveOnInterrupt saves first); Lightning's own
         # auto-requeue would requeue it a second time, from a checkpoint taken inside its signal handler.
@@ -316,6 +324,7 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         "tokens_per_sec": accounting_callback.tokens_per_sec(steps),
         "checkpoint": str(run_dir / CHECKPOINT),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
+        "val_curve": curve.history if curve is not None else None,
         "eval": _eval_summary(evaluation, run_dir),
     }
     finish_loggers(loggers, success=True)

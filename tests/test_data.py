@@ -101,3 +101,23 @@ def test_datamodule_describes_its_corpus(tmp_path: Path) -> None:
     assert info["corpus"] == "text" and len(info["fingerprint"]) == 64 and info["tokens"]["train"] > 0
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (4, 8) and y.shape == (4, 8)
+
+
+def test_near_duplicate_leakage_is_found_by_shingles() -> None:
+    from posenc.data.leakage import overlaps, summary
+
+    lines = [f"line {i} = compute({i}, {i * i})" for i in range(60)]
+    original = "\n".join(lines).encode()
+    edited = "\n".join(
+        ["    " + line for line in lines[:40]] + ["changed"] + lines[41:]
+    ).encode()  # reindented, one edit
+    unrelated = "\n".join(f"other {i}" for i in range(60)).encode()
+    corpus = Corpus(
+        "toy", {"train": [unrelated, original], "validation": [edited, unrelated + b"\nmore"], "test": [b"x = 1"]}
+    )
+    copy, fresh, short = overlaps(corpus)
+    assert copy.best_match == 1 and copy.best_jaccard > 0.8 and copy.containment > 0.9  # the copy, found
+    assert fresh.best_match == 0 and fresh.containment > 0.9  # a training file with a line added is leaked too
+    assert short.containment == 0.0 and short.best_match is None
+    printed = "\n".join(summary([copy, fresh, short]))
+    assert "validation: 2 documents" in printed and "2 near-duplicate(s) of a training document" in printed

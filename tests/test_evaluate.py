@@ -143,6 +143,56 @@ def test_sliding_with_a_stride_that_does_not_divide_scores_every_target_once() -
         assert sliding.loss == pytest.approx(disjoint.loss, rel=1e-12), stride
 
 
+def test_a_stride_fraction_slides_each_length_by_its_share_and_scores_every_target_once() -> None:
+    model = Bigram()
+    lengths = [32, 64, 128]
+    (disjoint,) = evaluate_lengths(model, stream(), [32], mode="nonoverlap", max_tokens=2048)
+    rows = evaluate_lengths(model, stream(), lengths, mode="sliding", stride_fraction=0.125, max_tokens=2048)
+    assert [row.stride for row in rows] == [4, 8, 16] and {row.stride_fraction for row in rows} == {0.125}
+    assert all(row.loss == pytest.approx(disjoint.loss, rel=1e-12) for row in rows)  # context-free: same loss
+    whole = evaluate_lengths(Counter(), stream(), lengths, mode="sliding", stride_fraction=1.0, max_tokens=2048)
+    plain = evaluate_lengths(Counter(), stream(), lengths, mode="nonoverlap", max_tokens=2048)
+    assert [r.loss for r in whole] == pytest.approx([r.loss for r in plain], rel=1e-12)  # a stride of N is disjoint
+    with pytest.raises(ValueError, match="needs one stride"):
+        evaluate_lengths(model, stream(), [32], mode="sliding", stride=8, stride_fraction=0.5)
+
+
+def test_each_documents_loss_is_recorded_and_they_sum_to_the_total() -> None:
+    documents = np.repeat(np.arange(5), 1000)  # five documents of 1,000 tokens
+    rows = evaluate_lengths(Counter(), stream(), [32, 128], mode="sliding", stride=24, max_tokens=4096,
+                            documents=documents)  # fmt: skip
+    for row in rows:
+        assert len(row.document_loss) == 5  # the targets 1..4096 reach into the fifth document
+        assert sum(row.document_loss) == pytest.approx(row.loss * row.tokens, rel=1e-9)
+    # worked out target by target for disjoint windows of 32: target t is predicted at position (t − 1) mod 32
+    (disjoint,) = evaluate_lengths(Counter(), stream(), [32], max_tokens=4096, documents=documents)
+    tokens = torch.from_numpy(stream()[: 4096 + 1].astype(np.int64))
+    logits = Counter()(tokens[:-1].reshape(-1, 32)).reshape(4096, VOCAB)
+    losses = torch.nn.functional.cross_entropy(logits, tokens[1:], reduction="none").double().detach()
+    by_document = np.bincount(documents[1:4097], weights=losses.numpy())
+    assert disjoint.document_loss == pytest.approx(by_document.tolist(), rel=1e-6)  # float32 losses, summed apart
+
+
+def test_the_held_out_sample_takes_a_piece_of_every_document() -> None:
+    from posenc.data.heldout import document_bounds, heldout_sample, piece_cap
+
+    eod = 256
+    sizes = [5000, 40, 900, 12000, 300]
+    split = np.concatenate([np.concatenate([np.full(n, i % 200), [eod]]) for i, n in enumerate(sizes)])
+    assert [end - start for start, end in document_bounds(split, eod)] == [n + 1 for n in sizes]
+    assert piece_cap(sizes, 40 + 300 + 3 * 700) == 700  # 40 + 300 + 700 · 3 = 2440
+    held = heldout_sample(split, 2440 + 5 - 1, "documents", seed=3, eod=eod)
+    assert held.sample == "documents" and held.cap == 700
+    assert sorted(set(held.documents.tolist())) == [0, 1, 2, 3, 4]  # every document, even the short ones whole
+    assert [int((held.documents == i).sum()) for i in range(5)] == [701, 41, 701, 701, 301]
+    assert all(set(held.tokens[held.documents == i][:-1].tolist()) == {i % 200} for i in range(5))  # its own text
+    assert np.array_equal(held.tokens, heldout_sample(split, 2444, "documents", seed=3, eod=eod).tokens)  # seeded
+    assert heldout_sample(split, 1000, "head", eod=eod).tokens.size == 1001
+    assert heldout_sample(split, None, eod=eod).sample == "split"
+    described = held.describe(2444)  # the targets a full budget scores: every document's piece
+    assert described["documents"] == [0, 1, 2, 3, 4] and described["tokens"] == [700, 41, 701, 701, 301]
+
+
 class ShapeRecorder(nn.Module):
     """Uniform logits, recording every input shape: each new shape is one compilation of a static-shape model."""
 
@@ -257,10 +307,10 @@ def test_report_builds_the_expected_table(tmp_path: Path) -> None:
     lines = markdown.splitlines()
     assert "| length | ×L | alibi (n=2 · ? steps · ? tokens) | sinusoidal (n=1 · ? steps · ? tokens) |" in lines
     # Mean ± the 95% Student-t half-width over two seeds (t = 12.706 at 1 degree of freedom: 12.706 · s / √2), ◆ the
-    # best mean at each length; a one-seed column shows its mean alone.
-    assert "| 64 | 1 | 11.00 ± 12.71 | 10.00 ◆ |" in lines
-    assert "| 256 | 4 | 11.50 ± 19.06 ◆ | 200.00 |" in lines
-    assert "| 256 | 4 | 1.042 ± 0.529 ◆ | 20.000 |" in lines  # ratio table: (1.0, 13/12) and 20
+    # best mean at each length; a one-seed column shows its mean alone, and one shared seed is no paired test (?).
+    assert "| 64 | 1 | 11.00 ± 12.71 ? | 10.00 ◆ |" in lines
+    assert "| 256 | 4 | 11.50 ± 19.06 ◆ | 200.00 ? |" in lines
+    assert "| 256 | 4 | 1.042 ± 0.529 ◆ | 20.000 ? |" in lines  # ratio table: (1.0, 13/12) and 20
     assert (tmp_path / "report" / "report.md").exists()
     assert (tmp_path / "report" / "ppl_vs_length_L64_nonoverlap.png").stat().st_size > 0
 
@@ -347,11 +397,14 @@ def test_task_training_is_scored_on_the_task(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "perplexity" not in results
     assert sorted({row["length"] for row in results["passkey"]}) == [16, 32]
-    figures = {key for key in summary["eval"] if not key.startswith("effective_length/")}
+    figures = {key for key in summary["eval"] if not key.startswith("effective_length_")}
     assert figures == {"passkey_acc@1x", "passkey_acc@2x", "passkey_byte_acc@1x", "passkey_byte_acc@2x"}
     effective = set(summary["eval"]) - figures  # a metric whose in-length figure is 0 has no effective length
-    assert effective <= {"effective_length/passkey", "effective_length/passkey_token_accuracy"}
-    assert set(results["effective_length"]) == {"passkey", "passkey_token_accuracy"}
+    rules = {f"effective_length_{rule}/{metric}" for rule in ("absolute", "relative") for metric in ("passkey",
+             "passkey_token_accuracy")}  # fmt: skip
+    assert effective <= rules
+    assert set(results["effective_length"]["relative"]) == {"passkey", "passkey_token_accuracy"}
+    assert set(results["effective_length"]["absolute"]) == {"passkey", "passkey_token_accuracy"}
 
 
 def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:
@@ -372,7 +425,8 @@ def test_report_task_tables_by_length_and_depth(tmp_path: Path) -> None:
         (folder / "results.json").write_text(json.dumps({"label": label, "train_len": 64, "seed": 0, "passkey": rows}))
     markdown = build_report(find_results([tmp_path]), tmp_path / "report")
     lines = markdown.splitlines()
-    assert "| 64 | 1 | 1.00 ◆ | 1.00 ◆ |" in lines  # a tie: both best
-    assert "| 256 | 4 | 0.50 | 1.00 ◆ |" in lines  # alibi: the far key lost, the near one found
-    assert "| 0 | 0.00 | 1.00 ◆ |" in lines and "| 1 | 1.00 ◆ | 1.00 ◆ |" in lines  # by depth at 256
+    # one seed each: its accuracy and the Wilson interval of its keys (4 per depth, 8 per length), no marks
+    assert "| 64 | 1 | 1.00 [0.68, 1.00] | 1.00 [0.68, 1.00] |" in lines
+    assert "| 256 | 4 | 0.50 [0.22, 0.78] | 1.00 [0.68, 1.00] |" in lines  # alibi: the far key lost, the near found
+    assert "| 0 | 0.00 [0.00, 0.49] | 1.00 [0.51, 1.00] |" in lines  # by depth at 256: 0 and 4 of 4
     assert (tmp_path / "report" / "passkey_accuracy_L64.png").exists()

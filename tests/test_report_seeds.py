@@ -63,41 +63,61 @@ def _row(markdown: str, length: int, which: int = 0) -> list[str]:
     return [cell.strip() for cell in rows[which].strip("|").split("|")[2:]]
 
 
-def test_cells_show_the_student_t_interval_and_mark_cells_not_separated_from_the_best(tmp_path: Path) -> None:
+def _paired_p(a: list[float], b: list[float]) -> float:
+    """Two-sided p of the paired t-test on log values over 3 seeds: 1 − t / √(t² + 2) with 2 degrees of freedom."""
+    d = [math.log(x) - math.log(y) for x, y in zip(a, b, strict=True)]
+    mean = sum(d) / 3
+    t = mean / math.sqrt(sum((x - mean) ** 2 for x in d) / 2 / 3)
+    return 1 - abs(t) / math.sqrt(t * t + 2)
+
+
+def test_cells_show_the_student_t_interval_and_marks_come_from_paired_holm_tests(tmp_path: Path) -> None:
     markdown = build_report(find_results([_sweep(tmp_path / "runs")]), tmp_path / "out", make_plots=False)
-    assert "95% Student-t interval" in markdown and "◆ marks the best mean" in markdown
-    # columns in registry order: alibi, nope, rope. Half-width t_{0.975,2} · s/√3 with t_{0.975,2} = 4.3027.
-    alibi, nope, rope = _row(markdown, 64)
-    assert alibi == f"21.00 ± {4.3027 * 1 / math.sqrt(3):.2f} ◆" == "21.00 ± 2.48 ◆"  # the best: lowest mean
-    assert rope == "24.00 ± 4.97 ≈"  # [19.03, 28.97] overlaps alibi's [18.52, 23.48]
-    assert nope == "44.00 ± 9.94"  # [34.06, 53.94]: separated from the best, no mark
+    assert "95% Student-t interval" in markdown and "paired t-test over the seeds both share" in markdown
+    assert "Holm's method" in markdown
+    # at 32: alibi (10, 11, 12) is best; nope (10, 12, 14) and rope (11, 12, 13) overlap it, but rope is above it
+    # on every seed by a steady margin, which pairing sees: p 0.0025 → Holm 0.0051, separated; nope p 0.213, not
+    p_rope, p_nope = _paired_p([11, 12, 13], [10, 11, 12]), _paired_p([10, 12, 14], [10, 11, 12])
+    assert (round(p_rope, 4), round(p_nope, 3)) == (0.0025, 0.213) and 2 * p_rope < 0.05 < p_nope
     alibi, nope, rope = _row(markdown, 32)
-    assert alibi == "11.00 ± 2.48 ◆" and nope == "12.00 ± 4.97 ≈" and rope == "12.00 ± 2.48 ≈"
+    assert alibi == f"11.00 ± {4.3027 / math.sqrt(3):.2f} ◆" == "11.00 ± 2.48 ◆"
+    assert nope == "12.00 ± 4.97 ≈" and rope == "12.00 ± 2.48"
+    # at 64 both are separated: nope p 0.0012 (Holm 0.0023), rope p 0.0238 (Holm max(0.0023, 0.0238))
+    assert _paired_p([22, 24, 26], [20, 21, 22]) == pytest.approx(0.0238, abs=1e-4)
+    alibi, nope, rope = _row(markdown, 64)
+    assert (alibi, nope, rope) == ("21.00 ± 2.48 ◆", "44.00 ± 9.94", "24.00 ± 4.97")
     assert _row(markdown, 32, which=1) == ["1.000 ± 0.000"] * 3  # ratios at 1× are 1 by construction: no marks
-    # ratios at 2×: alibi 2, 1.909, 1.833 (s 0.0834); nope 4, 3.667, 3.429 (s 0.2871); rope 2, 2, 2
+    # ratios at 2×: alibi 2, 1.909, 1.833 (best); rope 2, 2, 2 is not separated on log-ratio (p 0.218), nope is
     alibi, nope, rope = _row(markdown, 64, which=1)
     assert alibi == "1.914 ± 0.207 ◆" and nope == "3.698 ± 0.713" and rope == "2.000 ± 0.000 ≈"
 
 
-def test_a_single_seed_column_shows_its_mean_alone_and_no_mark_against_an_interval(tmp_path: Path) -> None:
+def test_a_column_without_two_seeds_shared_with_the_best_is_not_tested(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     _sweep(root, ("alibi",))
-    _run(root, "rope", 0, (11.0, 20.5), 800.0)  # one seed, mean below alibi's: the best, but without an interval
+    _run(root, "rope", 0, (11.0, 20.5), 800.0)  # one seed, mean below alibi's: the best, but nothing to pair
     markdown = build_report(find_results([root]), tmp_path / "out", make_plots=False)
     alibi, rope = _row(markdown, 64)
-    assert rope == "20.50 ◆" and alibi == "21.00 ± 2.48"  # alibi's overlap with a one-seed best is unknown
-    assert "one seed gives no interval" in markdown
+    assert rope == "20.50 ◆" and alibi == "21.00 ± 2.48 ?"
+    assert "one seed gives no interval" in markdown and "fewer than 2 seeds shared with the best column" in markdown
 
 
-def test_effective_length_table_pools_recorded_and_computed_lengths(tmp_path: Path) -> None:
-    # alibi seed 0 recorded 64 (the report reads it as recorded); every other run has no record, so the rule
-    # computes it: every ratio at 64 is ≥ 1.69 > 1.10, so 32.
+def test_effective_length_tables_name_their_rule_and_count_every_seed(tmp_path: Path) -> None:
+    # alibi seed 0 recorded 64 under the older, relative-only record; every other run is computed by the rule
     root = _sweep(tmp_path / "runs", alibi_0={"effective_length": {"ppl": 64}})
     markdown = build_report(find_results([root]), tmp_path / "out", make_plots=False)
-    assert "## Effective length, trained at L=32" in markdown
-    row = next(line for line in markdown.splitlines() if line.startswith("| ppl | "))
-    alibi, nope, rope = (cell.strip() for cell in row.strip("|").split("|")[1:])
-    assert alibi == "32 [32–64] (n=3)" and nope == "32 (n=3)" and rope == "32 (n=3)"
+    absolute = markdown.index("## Effective length, trained at L=32 on text, nonoverlapping windows — absolute rule")
+    relative = markdown.index("## Effective length, trained at L=32 on text, nonoverlapping windows — relative rule")
+    assert absolute < relative and "ppl ≤ 12.1 (perplexity: 1.1× the best in-length perplexity" in markdown
+
+    def cells(start: int) -> list[str]:
+        row = next(line for line in markdown[start:].splitlines() if line.startswith("| ppl | "))
+        return [cell.strip() for cell in row.strip("|").split("|")[1:]]
+
+    # absolute: 1.1 × alibi's mean in-length 11 = 12.1; nope's 14 and rope's 13 (their seed 2) never hold
+    assert cells(absolute) == ["32 (3 of 3 seeds)", "32 (2 of 3 seeds; 1 without)", "32 (2 of 3 seeds; 1 without)"]
+    # relative: every ratio at 64 is ≥ 1.69 > 1.10, so 32, but for the recorded 64
+    assert cells(relative) == ["32 [32–64] (3 of 3 seeds)", "32 (3 of 3 seeds)", "32 (3 of 3 seeds)"]
 
 
 def test_cost_points_are_throughput_relative_to_nope_and_the_ratio_at_the_longest_length(tmp_path: Path) -> None:
@@ -129,12 +149,19 @@ def test_without_nope_throughput_is_relative_to_the_fastest_and_says_so(tmp_path
     assert [p["throughput"] for p in points] == pytest.approx([1.0, 800 / 900])
 
 
-def test_paired_comparison_matches_seeds_and_gives_the_t_interval_and_p(tmp_path: Path) -> None:
+def test_paired_comparison_matches_seeds_on_log_perplexity(tmp_path: Path) -> None:
     lines = paired_section(find_results([_sweep(tmp_path / "runs")]), "alibi", "rope")
     row = next(line for line in lines if line.startswith("| 64 | "))
-    # differences alibi − rope per seed: −2, −3, −4 → mean −3, s = 1, half-width 4.3027/√3 = 2.484;
-    # t = −3/(1/√3) = −5.196, and for 2 degrees of freedom P(|T| ≤ t) = t/√(2 + t²), so p = 1 − 5.196/√29 = 0.0351.
-    assert row == "| 64 | 2 | -3.000 | [-5.484, -0.516] | 0.0351 |"
+    # log(alibi / rope) per seed: log(20/22), log(21/24), log(22/26); the ratio is exp of their mean, its interval
+    # exp(mean ± t_{0.975,2} · s / √3)
+    d = [math.log(20 / 22), math.log(21 / 24), math.log(22 / 26)]
+    mean = sum(d) / 3
+    half = 4.302653 * math.sqrt(sum((x - mean) ** 2 for x in d) / 2 / 3)
+    low, high = math.exp(mean - half), math.exp(mean + half)
+    expected = (
+        f"| 64 | 2 | {math.exp(mean):.4f} | [{low:.4f}, {high:.4f}] | {_paired_p([20, 21, 22], [22, 24, 26]):.3g} |"
+    )
+    assert row == expected == "| 64 | 2 | 0.8764 | [0.8016, 0.9581] | 0.0238 |"
 
 
 def test_paired_comparison_refuses_mismatched_seeds_in_one_line(tmp_path: Path) -> None:
@@ -178,24 +205,26 @@ def test_the_same_points_go_to_wandb_as_a_scatter(tmp_path: Path) -> None:
     assert [row[0] for row in chart.table.data] == ["alibi", "nope", "rope"]
 
 
-def test_retrieval_tables_show_intervals_first_byte_accuracy_and_chance(tmp_path: Path) -> None:
-    """Task accuracies get the same intervals and marks as perplexity (higher is better), with the chance rates."""
-    for label, exact, first in (("alibi", [0.9, 0.92, 0.94], [0.95, 0.96, 0.97]), ("rope", [0.5, 0.7, 0.9], [0.6] * 3)):
+def test_retrieval_tables_show_accuracy_intervals_inside_zero_one_and_who_learned(tmp_path: Path) -> None:
+    """Task accuracies get a bootstrap over seeds (never past 0 or 1), the floors, and k of n seeds learned."""
+    for label, exact, first in (("alibi", [0.9, 0.92, 0.94], [0.95, 0.96, 0.97]), ("rope", [0.3, 0.7, 1.0], [0.6] * 3)):
         for seed in range(3):
             rows = [
-                {"task": "assoc", "length": 32, "samples": 8, "answers": 64, "accuracy": exact[seed],
+                {"task": "multikey", "length": 32, "samples": 64, "answers": 64, "accuracy": exact[seed],
                  "first_byte_accuracy": first[seed], "token_accuracy": first[seed], "chance_exact": 0.01,
                  "chance_first_byte": 0.1, "keyless_exact": 0.46, "keyless_first_byte": 0.46}
             ]  # fmt: skip
             folder = tmp_path / f"{label}_{seed}" / "eval"
             folder.mkdir(parents=True)
-            result = {"label": label, "train_len": 32, "seed": seed, "assoc": rows, "data": {"task": "assoc"}}
+            result = {"label": label, "train_len": 32, "seed": seed, "multikey": rows, "data": {"task": "multikey"}}
             (folder / "results.json").write_text(json.dumps(result))
     markdown = build_report(find_results([tmp_path]), tmp_path / "out", make_plots=False)
-    floors = "a uniform guess; 0.46 without matching keys"
-    assert f"Exact match (the whole answer right) (chance: 0.01, {floors}):" in markdown
-    assert f"First answer byte right (chance: 0.1, {floors}):" in markdown
-    exact_row, first_row, per_byte_row = (_row(markdown, 32, which) for which in range(3))
-    # alibi: s = 0.02, half-width 4.3027 · 0.02 / √3 = 0.0497; rope: s = 0.2, 0.497: [0.20, 1.20] overlaps alibi's
-    assert exact_row == ["0.92 ± 0.05 ◆", "0.70 ± 0.50 ≈"]
-    assert first_row == ["0.96 ± 0.02 ◆", "0.60 ± 0.00"] == per_byte_row  # rope's [0.6, 0.6] is separated
+    assert "(chance: 0.01, a uniform guess; 0.46 without matching keys)" in markdown
+    assert "95% percentile bootstrap over the seeds" in markdown
+    exact = _row(markdown, 32)
+    low, high = (float(x) for x in exact[1].split("[")[1].rstrip("]").split(", "))
+    assert exact[0].startswith("0.92 [") and exact[1].startswith("0.67 [") and 0.3 <= low < high <= 1.0
+    assert "±" not in " ".join(exact)  # no symmetric interval that could pass 1
+    learned = next(line for line in markdown.splitlines() if line.startswith("| learned |"))
+    assert learned == "| learned | | 3 of 3 | 2 of 3 |"  # rope seed 0 (0.30) is under the keyless floor
+    assert "| 0 | 0.90 | 0.30 |" in markdown and "| 2 | 0.94 | 1.00 |" in markdown  # each seed's accuracy

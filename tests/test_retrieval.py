@@ -1,4 +1,4 @@
-"""Retrieval tasks (multikey, vartrack, assoc): what each sample asks and answers, scoring, training, the report."""
+"""Retrieval tasks (multikey, vartrack; MQAR: test_mqar.py): what each sample asks and answers, scoring, the report."""
 
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ from posenc.data.datamodule import TaskDataModule
 from posenc.data.retrieval import (
     RETRIEVAL_TASKS,
     RetrievalDataset,
-    assoc_sample,
     chance_rates,
-    evaluation_options,
     keyless_rates,
     task_dataset,
 )
@@ -31,6 +29,7 @@ from posenc.train import train
 
 VOCAB = 257
 TASKS = list(RETRIEVAL_TASKS)
+TEXT_TASKS = ["multikey", "vartrack"]  # byte strings a test can read as text (MQAR's keys and values are any byte)
 
 
 def text_and_answer(task: str, length: int, seed: int) -> tuple[str, str, list[int]]:
@@ -55,13 +54,11 @@ def expected_answer(task: str, text: str) -> str:
             held[name] = held.get(source, source)
         order = [name for name, _ in re.findall(r"#([A-Z])=(\d{3}|[A-Z])#", text)]
         return "".join(name for name in order if held[name] == value)
-    block, queries = re.fullmatch(r"((?:[a-z]\d)+)\d*?((?:[a-z]\d)+)", text).groups()  # digits between them
-    pairs = dict(re.findall(r"([a-z])(\d)", block))
-    return "".join(pairs[key] for key in re.findall(r"([a-z])\d", queries))
+    raise ValueError(task)
 
 
 @pytest.mark.parametrize("length", [64, 257, 1024])
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", TEXT_TASKS)
 def test_every_sample_answers_its_question_and_only_the_answer_is_scored(task: str, length: int) -> None:
     for seed in range(20):
         text, answer, positions = text_and_answer(task, length, seed)
@@ -106,132 +103,14 @@ def test_multikey_training_windows_ask_only_needles_placed_before_each_question(
     assert repeated == 30
 
 
-def assoc_text(length: int, seed: int, **options) -> tuple[str, list[int]]:
-    sample = assoc_sample(length, np.random.default_rng(seed), **options)
-    last = int(sample.targets[-1])  # an unscored last byte (filler of a training window) is no input: shown as "?"
-    text = bytes([*sample.inputs.tolist(), last if last != IGNORE else ord("?")]).decode()
-    return text, [i + 1 for i in (sample.targets != IGNORE).nonzero().flatten().tolist()]
-
-
-def assoc_parts(text: str, num_pairs: int, num_queries: int, value_len: int = 1) -> tuple[str, str, str]:
-    """An evaluation window's block (it opens the window), gap and queries (they close it)."""
-    stride = 1 + value_len
-    return text[: num_pairs * stride], text[num_pairs * stride : -num_queries * stride], text[-num_queries * stride :]
-
-
-def query_distances(text: str, num_pairs: int, num_queries: int, value_len: int = 1) -> list[int]:
-    """For every query, how far it sits after its key in the block (key byte to key byte)."""
-    stride = 1 + value_len
-    keys = {text[i * stride]: i * stride for i in range(num_pairs)}
-    return [q - keys[text[q]] for q in range(len(text) - num_queries * stride, len(text), stride)]
-
-
-@pytest.mark.parametrize("options", [{}, {"num_pairs": 4, "num_queries": 2, "value_len": 3}])
-def test_assoc_pairs_are_fixed_and_only_the_distance_grows(options: dict) -> None:
-    pairs, queries, value_len = options.get("num_pairs", 8), options.get("num_queries", 8), options.get("value_len", 1)
-    for seed in range(10):
-        texts = {n: assoc_text(n, seed, **options) for n in (64, 256, 1024)}
-        for text, scored in texts.values():
-            block, gap, asked = assoc_parts(text, pairs, queries, value_len)
-            assert (
-                re.fullmatch(rf"(?:[a-z]\d{{{value_len}}}){{{pairs}}}", block)
-                and len(set(block[:: 1 + value_len])) == pairs
-            )
-            assert re.fullmatch(rf"(?:[a-z]\d{{{value_len}}}){{{queries}}}", asked)
-            # the gap is digits, the values' own alphabet: a guess among the window's digits is a uniform guess
-            assert re.fullmatch(r"\d+", gap) and len(set(gap)) > 5
-            # the loss mask is exactly the answer bytes: every value byte of every query, nothing else
-            query_start = len(text) - queries * (1 + value_len)
-            assert scored == [q + 1 + j for q in range(query_start, len(text), 1 + value_len) for j in range(value_len)]
-        # the same keys, values and queries at every length; a longer window only widens the gap
-        short, long = texts[64][0], texts[1024][0]
-        short_parts, long_parts = (
-            assoc_parts(short, pairs, queries, value_len),
-            assoc_parts(long, pairs, queries, value_len),
-        )
-        assert (short_parts[0], short_parts[2]) == (long_parts[0], long_parts[2])
-        assert [d + 960 for d in query_distances(short, pairs, queries, value_len)] == query_distances(
-            long, pairs, queries, value_len
-        )
-    text, _ = texts[1024]
-    assert min(query_distances(text, pairs, queries, value_len)) > 1024 - 64  # every query is past a training window
-
-
-def training_queries(text: str, num_pairs: int, value_len: int = 1) -> list[tuple[int, str, str]]:
-    """(position, key, value) of every query after the block of a training window, read off its text."""
-    stride = 1 + value_len
-    rest = text[num_pairs * stride :]
-    return [
-        (num_pairs * stride + m.start(), m.group(1), m.group(2))
-        for m in re.finditer(rf"([a-z])(\d{{{value_len}}})", rest)
-    ]
-
-
-@pytest.mark.parametrize(("pairs", "queries", "value_len"), [(4, 16, 1), (8, 8, 2)])
-def test_assoc_training_windows_scatter_repeated_queries_over_the_window(
-    pairs: int, queries: int, value_len: int
-) -> None:
-    stride, first_positions, last_positions, repeated = 1 + value_len, [], [], 0
-    for seed in range(40):
-        text, scored = assoc_text(64, seed, num_pairs=pairs, num_queries=2, value_len=value_len, train_queries=queries)
-        block = dict(re.findall(rf"([a-z])(\d{{{value_len}}})", text[: pairs * stride]))
-        assert len(text) == 65 and len(block) == pairs  # the block opens the window, its keys distinct
-        asked = training_queries(text, pairs, value_len)
-        assert len(asked) == queries and set(text) <= set(block) | set("0123456789?")  # keys, digits, nothing else
-        assert all(value == block[key] for _, key, value in asked)  # every query is answered by its key's value
-        # the loss mask is exactly the value bytes of the queries: nothing of the block, no filler
-        assert scored == [p + 1 + j for p, _, _ in asked for j in range(value_len)]
-        first_positions.append(asked[0][0])
-        last_positions.append(asked[-1][0])
-        repeated += len({key for _, key, _ in asked}) < queries
-    assert repeated == 40  # keys drawn with replacement: nothing follows by elimination
-    # the queries move: over the seeds, the first one sits anywhere from right after the block to deep in the window
-    assert min(first_positions) == pairs * stride and max(first_positions) > pairs * stride + 3
-    assert len(set(last_positions)) > 3 and max(last_positions) == 65 - stride
-
-
-def test_assoc_training_windows_keep_a_window_of_exactly_length_inputs() -> None:
-    for length in (40, 64, 100):
-        sample = assoc_sample(length, np.random.default_rng(0), num_pairs=4, num_queries=4, train_queries=16)
-        assert sample.inputs.shape == sample.targets.shape == (length,)
-    with pytest.raises(ValueError, match="assoc needs length ≥ 39"):
-        assoc_sample(38, np.random.default_rng(0), num_pairs=4, num_queries=4, train_queries=16)
-
-
-def test_assoc_evaluation_windows_ask_distinct_keys_however_training_was_shaped() -> None:
-    evaluation = evaluation_options({"num_pairs": 4, "num_queries": 4, "train_queries": 28})
-    assert evaluation == {"num_pairs": 4, "num_queries": 4}
-    text, _ = assoc_text(64, 0, **evaluation)
-    assert len(set(assoc_parts(text, 4, 4)[2][::2])) == 4
-    with pytest.raises(ValueError, match="train_queries must be ≥ 1 or null"):
-        assoc_sample(64, np.random.default_rng(0), num_pairs=4, num_queries=4, train_queries=0)
-
-
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        ({"num_pairs": 27}, "num_pairs must be in 1..26"),
-        ({"num_pairs": 4, "num_queries": 5}, "num_queries must be in 1..num_pairs=4"),
-        ({"value_len": 0}, "value_len must be ≥ 1"),
-        ({"num_pairs": 20, "num_queries": 20}, "assoc needs length ≥ 79"),
-    ],
-)
-def test_assoc_bad_options_fail_clearly(options: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        assoc_sample(64, np.random.default_rng(0), **options)
-
-
 def test_task_options_reach_the_dataset_and_are_checked() -> None:
-    dataset = TaskDataModule(
-        "assoc", seq_len=64, batch_size=2, num_samples=2, task_options={"num_pairs": 3, "num_queries": 3}
-    )
+    dataset = TaskDataModule("mqar", seq_len=64, batch_size=2, num_samples=2, task_options={"num_pairs": 3})
     _, targets = next(iter(dataset.train_dataloader()))
     assert int((targets != IGNORE).sum()) == 2 * 3
-    with pytest.raises(ValueError, match="do not fit assoc"):
-        task_dataset("assoc", 64, 2, 0, options={"num_keys": 3})
+    with pytest.raises(ValueError, match="do not fit mqar"):
+        task_dataset("mqar", 64, 2, 0, options={"num_keys": 3})
     with pytest.raises(ValueError, match="task_options are for the retrieval tasks"):
         task_dataset("passkey", 64, 2, 0, options={"num_pairs": 3})
-    assert chance_rates("assoc", {"value_len": 2}) == pytest.approx((0.1, 0.01))
     assert chance_rates("multikey", {"value_len": 3}) == pytest.approx((0.1, 0.001))
     assert chance_rates("multikey") == pytest.approx((0.1, 0.1))  # one digit by default
 
@@ -239,13 +118,6 @@ def test_task_options_reach_the_dataset_and_are_checked() -> None:
 @pytest.mark.parametrize(
     ("task", "options", "first", "exact"),
     [
-        # one pair: its value is the only one there is
-        ("assoc", {"num_pairs": 1, "num_queries": 1}, 1.0, 1.0),
-        # two pairs, both asked: the first answer is a coin toss unless the two values agree (p = 0.1), the second
-        # follows by elimination: (0.9 · 0.5 + 0.1 + 1) / 2
-        ("assoc", {"num_pairs": 2, "num_queries": 2}, 0.775, 0.775),
-        # two pairs, one asked: no elimination
-        ("assoc", {"num_pairs": 2, "num_queries": 1}, 0.55, 0.55),
         # four needles, one asked: the commonest of four one-digit values, E[highest multiplicity] / 4 = 0.3835
         # (enumerated over all 10^4 value tuples), whatever the filler
         ("multikey", {"num_keys": 4}, 0.3835, 0.3835),
@@ -256,14 +128,22 @@ def test_task_options_reach_the_dataset_and_are_checked() -> None:
     ],
 )
 def test_keyless_rates_are_the_best_guess_blind_to_keys(task: str, options: dict, first, exact) -> None:
-    got_first, got_exact = keyless_rates(task, options)
+    rates = keyless_rates(task, options)
+    got_first, got_exact = rates["keyless_first_byte"], rates["keyless_exact"]
     assert got_exact == pytest.approx(exact, abs=0.02)
-    if first is not None:
-        assert got_first == pytest.approx(first, abs=0.02)
+    assert got_first == pytest.approx(first, abs=0.02)
     assert got_first >= got_exact and got_exact > chance_rates(task, options)[1]
-    # training-only options change nothing: the floor is the evaluation's
-    if task == "assoc":
-        assert keyless_rates(task, {**options, "train_queries": 9}) == (got_first, got_exact)
+    # one question a window: nothing to eliminate; training-only options change nothing
+    assert rates["keyless_exact_elimination"] == got_exact
+    assert keyless_rates(task, {**options, "train_queries": 9}) == rates
+
+
+def test_the_elimination_floor_strikes_out_answers_already_given() -> None:
+    # four needles, all four asked: a guess among the values left: (1/4 + 1/3 + 1/2 + 1) / 4 = 25/48 when the
+    # four values differ, more when some agree; without elimination the commonest of the four every time
+    rates = keyless_rates("multikey", {"num_keys": 4, "num_queries": 4})
+    assert rates["keyless_exact"] == pytest.approx(0.3835, abs=0.02)
+    assert rates["keyless_exact_elimination"] > 25 / 48 > rates["keyless_exact"]
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -310,7 +190,7 @@ class Lookup(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("task", "options"), [("multikey", {"value_len": 4}), ("vartrack", {}), ("assoc", {"value_len": 2})]
+    ("task", "options"), [("multikey", {"value_len": 4}), ("vartrack", {}), ("multikey", {"num_queries": 3})]
 )
 def test_scoring_counts_an_answer_only_when_every_byte_is_right(task: str, options: dict) -> None:
     perfect = evaluate_retrieval(Lookup(task, [64, 128], 6, 0, **options), task, [64, 128], 6, 0, options=options)
@@ -319,18 +199,21 @@ def test_scoring_counts_an_answer_only_when_every_byte_is_right(task: str, optio
         (128, 1.0, 1.0, 1.0),
     ]
     first_only = evaluate_retrieval(Lookup(task, [64], 6, 0, right=1, **options), task, [64], 6, 0, options=options)[0]
-    answer_len = {"multikey": 4, "vartrack": 3, "assoc": 2}[task]
-    assert first_only["accuracy"] == 0.0 and first_only["first_byte_accuracy"] == 1.0
-    assert first_only["token_accuracy"] == pytest.approx(1 / answer_len)
-    assert first_only["answers"] == 6 * (8 if task == "assoc" else 1)  # assoc: every query is an answer
+    answer_len = {"multikey": options.get("value_len", 1), "vartrack": 3}[task]
+    if answer_len > 1:
+        assert first_only["accuracy"] == 0.0 and first_only["first_byte_accuracy"] == 1.0
+        assert first_only["token_accuracy"] == pytest.approx(1 / answer_len)
+    assert first_only["answers"] == 6 * options.get("num_queries", 1)  # every question is an answer
     assert first_only["chance_first_byte"] == pytest.approx(1 / 26 if task == "vartrack" else 0.1)
-    blind = keyless_rates(task, options)
-    assert (first_only["keyless_first_byte"], first_only["keyless_exact"]) == blind  # every row carries both floors
+    assert 0.0 <= first_only["low"] <= first_only["accuracy"] <= first_only["high"] <= 1.0  # Wilson
+    assert first_only.items() >= keyless_rates(task, options).items()  # every row carries every floor
 
 
 def test_accuracy_plots_draw_the_keyless_floor_where_recorded() -> None:
     rows = [{"length": 64, "accuracy": 0.5, "keyless_exact": 0.46}, {"length": 128, "accuracy": 0.4}]
-    assert keyless_reference(rows) == {"keyless floor (exact)": 0.46}
+    assert keyless_reference(rows) == {"keyless floor": 0.46}
+    rows[0]["keyless_exact_elimination"] = 0.6
+    assert keyless_reference(rows) == {"keyless floor": 0.46, "with elimination": 0.6}
     assert keyless_reference([{"length": 64, "accuracy": 1.0}]) == {}  # passkey, copy, older results: no line
 
 
@@ -346,6 +229,8 @@ def test_retrieval_training_is_scored_on_its_task_with_attention_statistics(tmp_
     )
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "perplexity" not in results and "passkey" not in results
+    # the in-length accuracy of every validation, kept for the report's learning curves
+    assert [point["step"] for point in summary["val_curve"]] == [3] and 0 <= summary["val_curve"][0]["accuracy"] <= 1
     assert [row["length"] for row in results["multikey"]] == [48, 96]
     assert {"multikey_acc@1x", "multikey_acc@2x", "attn_sink@4x", "attn_distance@1x"} <= set(summary["eval"])
     assert len(results["attention_stats"]) == 3 * 4 * 4  # lengths × layers × heads of the tiny model
@@ -358,16 +243,27 @@ def test_retrieval_training_is_scored_on_its_task_with_attention_statistics(tmp_
 
 def test_summary_has_exact_match_and_first_byte_by_length() -> None:
     rows = [
-        {"task": "assoc", "length": n, "accuracy": a, "first_byte_accuracy": f, "token_accuracy": f}
+        {"task": "multikey", "length": n, "accuracy": a, "first_byte_accuracy": f, "token_accuracy": f}
         for n, a, f in [(64, 0.9, 0.95), (128, 0.4, 0.5)]
     ]
-    summary = summary_metrics({"train_len": 64, "assoc": rows})
-    assert summary["assoc_acc@1x"] == 0.9 and summary["assoc_first_byte@2x"] == 0.5
+    summary = summary_metrics({"train_len": 64, "multikey": rows})
+    assert summary["multikey_acc@1x"] == 0.9 and summary["multikey_first_byte@2x"] == 0.5
 
 
 def test_task_options_from_the_data_config_reach_training() -> None:
     from posenc.runs.checkpoints import build_datamodule
 
-    config = compose_train("+encoding=alibi", "data=assoc", "data.task_options.num_pairs=4")
+    config = compose_train("+encoding=alibi", "data=mqar", "data.task_options.num_pairs=4")
     datamodule = build_datamodule(config, num_samples=8)
     assert datamodule.task_options["num_pairs"] == 4 and datamodule.describe()["task_options"]["num_pairs"] == 4
+
+
+def test_answer_counts_count_whole_answers() -> None:
+    from posenc.evaluate.curve import answer_counts
+
+    targets = torch.tensor([[IGNORE, 5, 6, IGNORE, 7], [8, IGNORE, IGNORE, 9, 9]])  # answers: [5 6], [7]; [8], [9 9]
+    logits = torch.zeros(2, 5, VOCAB)
+    for row, position, token in [(0, 1, 5), (0, 2, 1), (0, 4, 7), (1, 0, 8), (1, 3, 9), (1, 4, 9)]:
+        logits[row, position, token] = 1.0  # the first answer has its second byte wrong
+    assert answer_counts(logits, targets) == (3, 4)
+    assert answer_counts(logits, torch.full((1, 5), IGNORE)) == (0, 0)

@@ -1,59 +1,49 @@
-"""Seed intervals and the paired comparison against values worked out by hand.
+"""The statistics behind the tables, against values worked out by hand.
 
 With 2 degrees of freedom Student's t has P(|T| ≤ t) = t / √(t² + 2), so t_{0.975, 2} solves t² = 0.9025 (t² + 2):
-t = √(1.805 / 0.0975) = 4.302653; with 1 it is the Cauchy distribution, t_{0.975, 1} = tan(0.475 π) = 12.706205.
+t = √(1.805 / 0.0975) = 4.302653, and a paired test's two-sided p is 1 − t / √(t² + 2).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from posenc.evaluate.stats import Interval, overlaps_best, paired_comparison, t_central, t_interval, t_quantile
+from posenc.evaluate import stats
+from posenc.evaluate.stats import (
+    bootstrap_mean,
+    document_bootstrap,
+    holm,
+    paired_comparison,
+    resampled_losses,
+    t_interval,
+    wilson,
+)
 
-
-def test_t_distribution_by_hand() -> None:
-    assert t_central(2.0, 2) == pytest.approx(2 / math.sqrt(6))
-    assert t_central(1.0, 1) == pytest.approx(0.5)  # Cauchy: atan(1) · 2/π
-    assert t_quantile(0.95, 2) == pytest.approx(math.sqrt(1.805 / 0.0975), rel=1e-9)
-    assert t_quantile(0.95, 1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-9)
-    # tabulated t_{0.975}: 3 → 3.182, 4 → 2.776, 9 → 2.262, 30 → 2.042; and the normal's 1.960 far out
-    for df, tabulated in [(3, 3.182), (4, 2.776), (9, 2.262), (30, 2.042), (2000, 1.961)]:
-        assert t_quantile(0.95, df) == pytest.approx(tabulated, abs=1e-3)
+T_2 = math.sqrt(1.805 / 0.0975)
 
 
 def test_interval_over_three_seeds() -> None:
-    interval = t_interval([1.0, 2.0, 3.0])  # mean 2, s = 1, half-width 4.302653 / √3
+    interval = t_interval([1.0, 2.0, 3.0])  # mean 2, s = 1, half-width t_{0.975,2} / √3
     assert interval.mean == 2.0 and interval.n == 3
-    assert interval.half_width == pytest.approx(4.302653 / math.sqrt(3), rel=1e-6)  # 2.484138
-    assert (interval.low, interval.high) == pytest.approx((2 - 2.484138, 2 + 2.484138), rel=1e-6)
+    assert interval.half_width == pytest.approx(T_2 / math.sqrt(3), rel=1e-9)
+    # one degree of freedom is the Cauchy distribution: t_{0.975,1} = tan(0.475 π); s / √2 = 0.5
+    assert t_interval([0.0, 1.0]).half_width == pytest.approx(math.tan(0.475 * math.pi) * 0.5)
     single = t_interval([5.0])
     assert single.half_width is None and single.low == single.high == 5.0
     with pytest.raises(ValueError, match="at least one value"):
         t_interval([])
 
 
-def test_overlap_with_the_best() -> None:
-    cells = {
-        "alibi": Interval(10.0, 1.0, 3),  # best (lowest perplexity): [9, 11]
-        "rope": Interval(11.5, 0.6, 3),  # [10.9, 12.1]: overlaps
-        "nope": Interval(13.0, 1.0, 3),  # [12, 14]: separated
-        "t5": Interval(10.5, None, 1),  # one seed: cannot tell
-    }
-    assert overlaps_best(cells, higher_is_better=False) == {"alibi": True, "rope": True, "nope": False, "t5": None}
-    marks = overlaps_best(cells, higher_is_better=True)  # accuracy: nope is the best now
-    assert marks["nope"] is True and marks["alibi"] is False and marks["rope"] is True
-
-
 def test_paired_comparison_by_hand() -> None:
-    # differences 0.5, 1, 2: mean 7/6, variance 7/12, so t = (7/6) / √(7/36) = √7 on 2 degrees of freedom and the
-    # two-sided p = 1 − √7 / √(7 + 2) = 0.118083; half-width 4.302653 · √(7/36)
+    # differences 0.5, 1, 2: mean 7/6, variance 7/12, so t = (7/6) / √(7/36) = √7 on 2 degrees of freedom
     result = paired_comparison([1.0, 2.0, 4.0], [0.5, 1.0, 2.0])
     assert result.n == 3 and result.mean_difference == pytest.approx(7 / 6)
     assert result.t == pytest.approx(math.sqrt(7))
     assert result.p_value == pytest.approx(1 - math.sqrt(7) / 3)
-    assert result.half_width == pytest.approx(4.302653 * math.sqrt(7 / 36), rel=1e-6)
+    assert result.half_width == pytest.approx(T_2 * math.sqrt(7 / 36), rel=1e-9)
 
 
 def test_paired_comparison_edge_cases() -> None:
@@ -64,3 +54,42 @@ def test_paired_comparison_edge_cases() -> None:
         paired_comparison([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="at least 2 seeds"):
         paired_comparison([1.0], [1.0])
+
+
+def test_holm_steps_down_and_never_lets_a_later_p_fall_below_an_earlier() -> None:
+    # sorted 0.01, 0.03, 0.04 with m = 3: 3 · 0.01 = 0.03; 2 · 0.03 = 0.06; 1 · 0.04 = 0.04, raised to 0.06
+    assert holm({"a": 0.04, "b": 0.01, "c": 0.03}) == pytest.approx({"a": 0.06, "b": 0.03, "c": 0.06})
+    assert holm({"a": 0.6, "b": 0.5}) == {"a": 1.0, "b": 1.0}  # capped at 1
+    assert holm({"only": 0.02}) == {"only": 0.02} and holm({}) == {}
+
+
+def test_wilson_interval_by_hand_and_inside_zero_one() -> None:
+    # k of n, z = 1.959964: centre (k + z²/2) / (n + z²), half-width z √(k(n − k)/n + z²/4) / (n + z²)
+    z = 1.959963984540054
+    for k, n in [(0, 10), (5, 10), (10, 10), (37, 512)]:
+        centre = (k + z**2 / 2) / (n + z**2)
+        half = z * math.sqrt(k * (n - k) / n + z**2 / 4) / (n + z**2)
+        low, high = wilson(k, n)
+        assert (low, high) == pytest.approx((max(0.0, centre - half), min(1.0, centre + half)), abs=1e-12)
+        assert 0.0 <= low <= k / n <= high <= 1.0
+    with pytest.raises(ValueError, match="at least one trial"):
+        wilson(0, 0)
+
+
+def test_bootstrap_of_accuracies_stays_inside_them() -> None:
+    low, high = bootstrap_mean([0.36, 0.38, 0.97, 1.0, 0.99])  # learned-or-not seeds: no bell curve
+    assert 0.36 <= low < float(np.mean([0.36, 0.38, 0.97, 1.0, 0.99])) < high <= 1.0
+    assert bootstrap_mean([0.5, 0.5]) == (0.5, 0.5) and bootstrap_mean([0.7]) == (0.7, 0.7)
+    assert bootstrap_mean([0.1, 0.9]) == bootstrap_mean([0.1, 0.9])  # seeded: the same report every time
+
+
+def test_document_bootstrap_resamples_the_same_documents_for_every_column() -> None:
+    tokens = np.array([100.0, 300.0, 50.0, 550.0])
+    losses = np.array([[200.0, 300.0, 100.0, 550.0], [220.0, 330.0, 110.0, 605.0]])  # column 2 = 1.1 × column 1
+    resampled = resampled_losses(losses, tokens, seed=1)
+    assert resampled.shape == (stats.RESAMPLES, 2)
+    assert np.allclose(resampled[:, 1], 1.1 * resampled[:, 0])  # paired: the ratio survives every resample
+    low, high = document_bootstrap(losses, tokens, seed=1)
+    full = losses.sum(axis=1) / tokens.sum()
+    assert np.all(low <= full) and np.all(full <= high) and np.all(low < high)
+    assert np.allclose(document_bootstrap(losses[:, :1], tokens[:1]), (losses[:, 0] / 100, losses[:, 0] / 100))

@@ -267,10 +267,25 @@ def test_sweep_jobs_log_into_the_sweep_group_under_a_stable_id(tmp_path: Path, m
     assert init["tags"] == ["L32", "alibi", "seed0"]
 
 
-def test_retrieval_sweep_gives_each_scheme_and_task_its_own_job(tmp_path: Path) -> None:
+def test_retrieval_sweep_gives_each_scheme_rate_and_seed_its_own_job(tmp_path: Path) -> None:
     listing = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", "retrieval"]
     result = launch(tmp_path, command=listing)
     assert result.returncode == 0, result.stderr[-3000:]
     names = [Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")]
-    expected = {f"{scheme}-assoc-L64-s0" for scheme in ("alibi", "rope", "xpos", "nope", "kerple_log", "t5")}
-    assert len(names) == len(expected) and set(names) == expected
+    schemes, rates, seeds = ("alibi", "rope", "xpos", "nope", "kerple_log", "t5"), ("0.001", "0.003", "0.01"), range(5)
+    expected = {f"{scheme}-mqar-lr{lr}-L64-s{seed}" for scheme in schemes for lr in rates for seed in seeds}
+    assert len(names) == len(expected) and set(names) == expected  # ≥ 5 seeds, a learning-rate sweep per scheme
+
+
+def test_reproduction_runs_both_protocols_from_one_run(tmp_path: Path) -> None:
+    config = compose_train("+encoding=alibi", "experiment=repro")
+    assert list(config.eval.sliding_fractions) == [0.5, 0.125] and config.eval.mode == "nonoverlap"
+    overrides = [o for o in FAST if not o.startswith("eval.multiples")]
+    train(
+        compose_train("+encoding=alibi", *overrides, "eval.multiples=[1,2]", "eval.sliding_fractions=[0.5]"), tmp_path
+    )
+    plain = json.loads((tmp_path / "eval" / "results.json").read_text())
+    sliding = json.loads((tmp_path / "eval_sliding_f0.5" / "results.json").read_text())
+    assert [r["stride"] for r in plain["perplexity"]] == [None, None]
+    assert [r["stride"] for r in sliding["perplexity"]] == [8, 16]  # half of each length (16, 32)
+    assert plain["perplexity"][0]["tokens"] == sliding["perplexity"][0]["tokens"]  # the same scored tokens

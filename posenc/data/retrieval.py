@@ -11,16 +11,11 @@ the filler never uses, so nothing but the facts can answer the question:
 - **vartrack** (RULER's variable tracking): ``num_chains`` chains ``#A=ddd#``, ``#B=A#``, ``#C=B#`` … of
   ``hops`` + 1 capital-letter variables, statements in order at random depths; the window ends ``?ddd:`` with one
   chain's value and the answer is every variable of that chain, in assignment order.
-- **assoc**: multi-query associative recall (MQAR, Arora et al., 2024, "Zoology"), byte-sized. A block of
-  ``num_pairs`` pairs ``kv`` (a one-byte key, a lowercase letter, distinct; a value of ``value_len`` digits), a gap
-  of random digits, then ``num_queries`` queries ``kv`` for distinct keys of the block: each query repeats a key
-  and its value is the answer. One-byte keys make the lookup a single induction step, and every query answers, so a
-  window supervises ``num_queries × value_len`` bytes. The number of pairs is the same at every length: a longer window
-  only widens the gap, so the query–key distance is the variable a length changes (at length N every query is
-  N − 2 · num_pairs · (value_len + 1) to N − 2 positions after its key, value_len 1 and num_queries = num_pairs).
+- **mqar**: multi-query associative recall as Zoology defines it (``posenc/data/mqar.py``): one generator for
+  training and evaluation windows.
 
-``train_queries`` (assoc and multikey, training windows only) shapes training windows as Zoology's MQAR does: that
-many questions spread over the window, keys drawn with replacement. Evaluation windows keep the layout above.
+``train_queries`` (multikey, training windows only) spreads that many questions over a training window, keys drawn
+with replacement; evaluation windows keep the layout above, so multikey's training and evaluation windows differ.
 
 Samples are (inputs, targets) like passkey's: targets are ``IGNORE`` except on answer bytes, so a model trained on
 a task learns only the retrieval. Every sample is generated from a seeded generator: reproducible and endless.
@@ -38,17 +33,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from posenc.data import mqar
 from posenc.data.tasks import DIGITS, FILLER_ALPHABET, IGNORE, Sample, TaskDataset
 
-# Filler drawn from the values' own alphabet: a guess among the window's digits is then a uniform guess, so the only
-# way above chance is to tell values from filler and then which value is whose. With a filler of spaces (or of
-# letters only) every digit in the window is a value, and a small model settles on the block's values as a bag, a
-# solution that delayed the key lookup past 9,000 steps on every seed but one of those tried; with digit filler the
-# lookup formed within 1,000 steps (docs: the retrieval section of the README).
-ASSOC_FILLER = DIGITS
 MULTIKEY_FILLER = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", dtype=np.uint8)
 CAPITALS = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
-LOWERCASE = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
 
 
 def _bytes(text: str) -> np.ndarray:
@@ -126,10 +115,10 @@ def multikey_sample(
     """``num_keys`` needles ``Kv`` at random depths of filler, then ``num_queries`` of them asked again.
 
     A needle is a capital-letter key (distinct; the filler has no capitals) and ``value_len`` digits; a question
-    repeats a needle's key and its value is the answer: one induction step, as in ``assoc``, with the facts at any
+    repeats a needle's key and its value is the answer: one induction step, as in ``mqar``, with the facts at any
     depth among filler instead of in a block. The needles not asked are RULER's distractors. ``train_queries``
     (training windows only) spreads that many questions over the window among the needles instead, each asking a
-    needle placed before it (keys with replacement), for the reason ``assoc_sample`` gives.
+    needle placed before it (keys with replacement), so that questions at every distance carry loss.
     """
     _check_sizes("multikey", ("num_keys", num_keys, len(CAPITALS)), num_queries, value_len, train_queries)
     keys = rng.choice(CAPITALS, size=num_keys, replace=False)
@@ -182,104 +171,83 @@ def vartrack_sample(
     )
 
 
-def assoc_sample(
-    length: int,
-    rng: np.random.Generator,
-    num_pairs: int = 8,
-    num_queries: int = 8,
-    value_len: int = 1,
-    train_queries: int | None = None,
-) -> Sample:
-    """MQAR: ``num_pairs`` pairs ``kv``, a gap of random digits, then ``num_queries`` queries ``kv``, each value scored.
-
-    ``train_queries`` (training windows only; evaluation drops it, ``TRAINING_ONLY_OPTIONS``) shapes a window the
-    way Zoology's MQAR does: that many queries, keys drawn *with* replacement, each after a random share of the gap
-    that follows the block. Evaluation's layout (distinct keys, all queries after the gap) teaches a small model
-    to answer the last query by elimination (the one value not yet given) long before any lookup; queries spread
-    over the whole window carry loss at every distance from the block up to the window, and keys drawn with
-    replacement leave nothing to eliminate. The gap's digits (``ASSOC_FILLER``) take away the other shortcut.
-    """
-    _check_sizes("assoc", ("num_pairs", num_pairs, len(LOWERCASE)), num_queries, value_len, train_queries)
-    keys = rng.choice(LOWERCASE, size=num_pairs, replace=False)
-    values = rng.choice(DIGITS, size=(num_pairs, value_len))
-    block = [piece for i in range(num_pairs) for piece in _pair(keys[i], values[i], asked=False)]
-    if train_queries is None:
-        asked = rng.choice(num_pairs, size=num_queries, replace=False)
-    else:
-        asked = rng.choice(num_pairs, size=train_queries, replace=True)
-    queries = [_pair(keys[i], values[i], asked=True) for i in asked]
-    gap = rng.choice(ASSOC_FILLER, size=_check_room("assoc", (num_pairs + len(asked)) * (1 + value_len), length))
-    if train_queries is None:  # every query after the gap: the distance to the block is what a length changes
-        return _masked_sample([*block, (gap, False), *(piece for query in queries for piece in query)])
-    return _masked_sample([*block, *_spread(queries, gap, rng)])
-
-
 def chance_rates(task: str, options: Mapping[str, Any] | None = None) -> tuple[float, float]:
     """(first answer byte, whole answer) accuracy of a uniform guess over the answer's alphabet."""
     options = dict(options or {})
+    if task == "mqar":
+        chance = mqar.chance_rate(int(options.get("vocab", mqar.VOCAB)))
+        return chance, chance
     if task == "vartrack":
         first, answer_len = 1 / len(CAPITALS), options.get("hops", 2) + 1
-    else:  # assoc and multikey: value_len digits
+    else:  # multikey: value_len digits
         first, answer_len = 1 / len(DIGITS), options.get("value_len", 1)
     return first, first**answer_len
 
 
-def _keyless_choices(task: str, text: bytes, options: Mapping[str, Any]) -> list[tuple[bytes, list[bytes]]]:
-    """(answer, candidates) for every answer of one sample (``text``: its inputs and last target).
+def _keyless_choices(task: str, text: bytes, options: Mapping[str, Any]) -> list[tuple[list[bytes], list[bytes]]]:
+    """(every fact's answer, the answers given before this one) for every answer of one sample.
 
-    The candidates are what a solver that never ties a key to its fact cannot tell apart: every fact's answer,
-    less those the sample has already given.
+    ``text`` is the sample's inputs and last target. A solver that never ties a key to its fact cannot tell the
+    facts' answers apart; one that also strikes out the answers the window has already shown eliminates.
     """
     if task == "vartrack":
         chains: dict[bytes, list[bytes]] = {}
         for name, source in re.findall(rb"#([A-Z])=(\d+|[A-Z])#", text):
             root = next((value for value, chain in chains.items() if chain[-1] == source), source)
             chains.setdefault(root, []).append(name)
-        answers = [b"".join(chain) for chain in chains.values()]
-        return [(text[-len(answers[0]) :], answers)]
-    # assoc and multikey: every key-value item in order, the facts first and the questions last
-    facts, key = (
-        (options.get("num_keys", 4), rb"[A-Z]") if task == "multikey" else (options.get("num_pairs", 8), rb"[a-z]")
-    )
-    queries = options.get("num_queries", 1 if task == "multikey" else 8)
-    items = re.findall(key + rb"(\d{%d})" % options.get("value_len", 1), text)
-    remaining, choices = items[:facts], []
-    for answer in items[-queries:]:
-        choices.append((answer, list(remaining)))
-        remaining.remove(answer)  # answered: the same value cannot answer a later (distinct) key
-    return choices
+        return [([b"".join(chain) for chain in chains.values()], [])]
+    # multikey: every needle in order, then the questions (each shows its answer after it)
+    facts, queries = options.get("num_keys", 4), options.get("num_queries", 1)
+    items = re.findall(rb"[A-Z](\d{%d})" % options.get("value_len", 1), text)
+    return [(items[:facts], items[facts : facts + index]) for index in range(queries)]
+
+
+def _best_guess(candidates: list[bytes]) -> float:
+    """Probability that guessing the commonest candidate is right, when the answer is any one of them."""
+    return max(candidates.count(c) for c in candidates) / len(candidates) if candidates else 0.0
 
 
 def keyless_rates(
     task: str, options: Mapping[str, Any] | None = None, samples: int = 1000, length: int = 1024
-) -> tuple[float, float]:
-    """(first answer byte, whole answer) accuracy of the best solver blind to which key goes with which fact.
+) -> dict[str, float]:
+    """Accuracy of the best solver blind to which key goes with which fact: the floor recall has to clear.
 
-    It reads everything else and guesses the commonest answer among the window's facts, less those given already.
-
-    This, not a uniform guess, is the floor a model must clear before it can be said to retrieve anything: a
-    small model learns it early (on ``assoc`` with distinct queries the last answer follows by elimination), and
-    a uniform-guess chance rate far below it would make that look like recall. Estimated over ``samples`` windows
-    of the evaluation's options (seeded, so every run records the same figure).
+    ``keyless_exact`` / ``keyless_first_byte``: it guesses the commonest answer among the window's facts;
+    ``keyless_exact_elimination`` / ``keyless_first_byte_elimination``: it also strikes out the answers given
+    earlier in the window. A uniform-guess chance rate far below these would make such guessing look like recall.
+    MQAR's floors are exact (``mqar.keyless_floors``); the others are estimated over ``samples`` windows of the
+    evaluation's options (seeded, so every run records the same figures).
     """
     options = evaluation_options(options)
+    if task == "mqar":
+        blind, eliminating = mqar.keyless_floors(int(options.get("num_pairs", mqar.NUM_PAIRS)))
+        return {
+            "keyless_exact": blind,
+            "keyless_first_byte": blind,
+            "keyless_exact_elimination": eliminating,
+            "keyless_first_byte_elimination": eliminating,
+        }
     rng = np.random.default_rng(0)
-    first, exact, count = 0.0, 0.0, 0
+    totals = dict.fromkeys(("exact", "first_byte", "exact_elimination", "first_byte_elimination"), 0.0)
+    count = 0
     for _ in range(samples):
         sample = RETRIEVAL_TASKS[task](length, rng, **options)
         text = bytes([*sample.inputs.tolist(), int(sample.targets[-1])])
-        for _answer, candidates in _keyless_choices(task, text, options):
-            exact += max(candidates.count(c) for c in candidates) / len(candidates)
-            heads = [c[:1] for c in candidates]
-            first += max(heads.count(h) for h in heads) / len(heads)
+        for facts, given in _keyless_choices(task, text, options):
+            remaining = list(facts)
+            for answer in given:
+                remaining.remove(answer)  # answered: the same value cannot answer a later (distinct) key
+            for suffix, candidates in (("", facts), ("_elimination", remaining)):
+                totals[f"exact{suffix}"] += _best_guess(candidates)
+                totals[f"first_byte{suffix}"] += _best_guess([c[:1] for c in candidates])
             count += 1
-    return first / count, exact / count
+    return {f"keyless_{key}": total / count for key, total in totals.items()}
 
 
 RETRIEVAL_TASKS: dict[str, Callable[..., Sample]] = {  # generate(length, rng, **task_options)
     "multikey": multikey_sample,
     "vartrack": vartrack_sample,
-    "assoc": assoc_sample,
+    "mqar": mqar.mqar_sample,
 }
 # Options that shape training windows; evaluation never uses them.
 TRAINING_ONLY_OPTIONS = ("train_queries",)

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig
 
 from posenc.config import CONF_DIR, to_container
+from posenc.evaluate import sliding_dir
 from posenc.runs import (
     EVALUATE_USAGE,
     RunError,
@@ -52,6 +53,8 @@ def _main(cfg: DictConfig) -> None:
         check_thresholds(
             float(eval_cfg.get("effective_ppl_ratio", DEFAULT_PPL_RATIO)),
             float(eval_cfg.get("effective_acc_fraction", DEFAULT_ACC_FRACTION)),
+            eval_cfg.get("effective_ppl_threshold"),
+            eval_cfg.get("effective_acc_threshold"),
         )
     except ValueError as err:
         raise RunError(str(err)) from None
@@ -94,14 +97,16 @@ def _main(cfg: DictConfig) -> None:
         _log_to_wandb(results, run_dir, images, config, namespace=out_dir.name)
 
 
-# Evaluation settings that change neither what is scored nor how (so they never name a directory).
-EVAL_RUNTIME = ("at_end", "plots", "tokens_per_batch")
+# Evaluation settings that change neither what is scored nor how (so they never name a directory); the sliding
+# evaluations a training run adds at its end are evaluations of their own, in folders of their own.
+EVAL_RUNTIME = ("at_end", "plots", "tokens_per_batch", "sliding_fractions")
 
 
 def eval_dir_name(eval_cfg: dict[str, Any], trained_eval: dict[str, Any], task: str | None = None) -> str:
     """``eval`` for the settings the run evaluated with at the end of training; otherwise a name for the change.
 
-    Sliding windows and RoPE scaling name themselves (``eval_sliding_s32``, ``eval_yarnx8``); any other setting
+    Sliding windows and RoPE scaling name themselves (``eval_sliding_s32``, ``eval_sliding_f0.5`` for a stride of half
+    of each length, ``eval_yarnx8``); any other setting
     that differs from the end-of-training evaluation is appended as ``key`` + value (``eval_max_tokens16384``), so
     an evaluation with other settings never replaces an earlier one, and the same command lands in the same place.
     A task's settings count only when that task is scored (``enabled: auto`` scores the task a model trained on).
@@ -112,11 +117,14 @@ def eval_dir_name(eval_cfg: dict[str, Any], trained_eval: dict[str, Any], task: 
     idle = [name for name, on in enabled.items() if not (on is True or (on == "auto" and task == name))]
     if not eval_cfg.get("attention_stats"):
         idle.append("attention_stats_tokens")
-    name = f"eval_sliding_s{eval_cfg['stride']}" if eval_cfg["mode"] == "sliding" else "eval"
+    name = "eval"
+    if eval_cfg["mode"] == "sliding":
+        fraction = eval_cfg.get("stride_fraction")
+        name = sliding_dir(fraction) if fraction is not None else f"eval_sliding_s{eval_cfg['stride']}"
     if eval_cfg.get("rope_scaling") is not None:  # its own directory: a scaled evaluation never overwrites the plain
         name += f"_{eval_cfg['rope_scaling']}x{float(eval_cfg['rope_scaling_factor']):g}"
     asked, trained = experiment_settings(eval_cfg), experiment_settings(trained_eval)
-    named = ("mode", "stride", "rope_scaling", "rope_scaling_factor", *EVAL_RUNTIME, *idle)
+    named = ("mode", "stride", "stride_fraction", "rope_scaling", "rope_scaling_factor", *EVAL_RUNTIME, *idle)
     for key, value in asked.items():
         if key.split(".")[0] in named or trained.get(key) == value:
             continue

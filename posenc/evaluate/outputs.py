@@ -17,6 +17,7 @@ from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RESULTS_FILE
 from posenc.evaluate.attention_stats import attention_plots
 from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO
+from posenc.evaluate.mqar import console_lines as mqar_lines
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
 from posenc.jsonio import dumps
@@ -51,7 +52,7 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     label, train_len = results["label"], results["train_len"]
     images: list[Path] = []
     if "perplexity" in results:
-        _write_csv(out_dir / "perplexity.csv", results["perplexity"], exclude={"loss_by_position"})
+        _write_csv(out_dir / "perplexity.csv", results["perplexity"], exclude={"loss_by_position", "document_loss"})
         by_length = sorted(results["loss_by_position"].items(), key=lambda item: int(item[0]))
         rows = [{"length": int(n), "position": i, "loss": v} for n, curve in by_length for i, v in enumerate(curve)]
         _write_csv(out_dir / "loss_by_position.csv", rows)
@@ -101,12 +102,12 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
         if plots:
             rows = results[name]
             lengths = [r["length"] for r in rows]
+            lines = {f"{label}, exact match": (lengths, [r["accuracy"] for r in rows], None)}
+            if any(r.get("token_accuracy") is not None for r in rows):
+                lines[f"{label}, per byte"] = (lengths, [r.get("token_accuracy") for r in rows], None)
             images.append(
                 plot_lines(
-                    {
-                        f"{label}, exact match": (lengths, [r["accuracy"] for r in rows], None),
-                        f"{label}, per byte": (lengths, [r.get("token_accuracy") for r in rows], None),
-                    },
+                    lines,
                     out_dir / f"{name}.png",
                     f"{label}: {name} accuracy"
                     + ("" if results.get("trained_task") == name else " (not trained on it)"),
@@ -117,6 +118,11 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
                     references={"per-byte chance": CHANCE_PER_BYTE[name], **keyless_reference(rows)},
                 )
             )
+    if results.get("mqar_by_distance"):
+        _write_csv(out_dir / "mqar_by_distance.csv", results["mqar_by_distance"])
+        _write_csv(out_dir / "mqar_by_query.csv", results["mqar_by_query"])
+        if plots:
+            images.append(mqar_distance_plot(results, out_dir / "mqar_by_distance.png"))
     if "attention_stats" in results:
         _write_csv(out_dir / "attention_stats.csv", results["attention_stats"])
         if plots:
@@ -139,15 +145,24 @@ def print_results(results: dict[str, Any]) -> None:
     label, train_len = results["label"], results["train_len"]
     if "perplexity" in results:
         rows = results["perplexity"]
-        mode = rows[0]["mode"] + (f", stride {rows[0]['stride']}" if rows[0]["stride"] else "")
+        mode = rows[0]["mode"]
+        if rows[0].get("stride_fraction") is not None:
+            mode += f", stride {rows[0]['stride_fraction']:g} of each length"
+        elif rows[0]["stride"]:
+            mode += f", stride {rows[0]['stride']}"
         scored = rows[0]["tokens"]
         print(f"\nPerplexity of {label} trained at L={train_len} ({mode}; {scored} tokens scored at each length):")
+        documents = results.get("documents") or {}
+        split = results["eval"].get("split", "validation")
+        where = {
+            "documents": f"a piece of each of the {len(documents.get('documents', []))} documents of the {split} split",
+            "split": f"the whole {split} split",
+        }.get(documents.get("sample"), f"the first tokens of the {split} split")
         data = (results.get("config") or {}).get("data") or {}
         if data.get("val_windows"):  # two perplexities at 1×: say why they differ
             print(
-                f"  (1× here scores the first {scored} tokens of the {results['eval'].get('split', 'validation')} "
-                f"split; training's val/ppl scored its first {data['val_windows'] * train_len}, so the two "
-                "differ by sample, not by method)"
+                f"  (1× here scores {scored} tokens, {where}; training's val/ppl scored the first "
+                f"{data['val_windows'] * train_len} of the split, so the two differ by sample, not by method)"
             )
         print(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
         for r in rows:
@@ -158,7 +173,11 @@ def print_results(results: dict[str, Any]) -> None:
                 figures = f"{r['loss']:>8.4f} {r['ppl']:>9.3f} {r['bpb']:>9.4f} {ratio:>7}"
                 print(f"  {r['length']:>7} {r['multiple']:>5g} {figures}")
     for name in TASK_NAMES:
-        if name in results:
+        if name == "mqar" and name in results:
+            print("\n".join(mqar_lines(results)))
+            if results.get("trained_task") != name:
+                print(f"  ({label} was not trained on mqar's format: these figures measure the format, not recall)")
+        elif name in results:
             exact = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
             byte = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_byte_acc@")}
             shown = ", ".join(f"{m} {v:.2f} ({byte.get(m, float('nan')):.2f} per byte)" for m, v in exact.items())
@@ -172,21 +191,11 @@ def print_results(results: dict[str, Any]) -> None:
                     chance += (
                         f"; without matching keys {rows[0]['keyless_first_byte']:.3g}, "
                         f"exact {rows[0]['keyless_exact']:.3g}"
+                        f" ({rows[0].get('keyless_exact_elimination', rows[0]['keyless_exact']):.3g} with elimination)"
                     )
                 firsts = ", ".join(f"{r['length'] / train_len:g}x {r['first_byte_accuracy']:.2f}" for r in rows)
                 print(f"{name} first answer byte by length ({chance}): {firsts}")
-    effective = results.get("effective_length")
-    if effective:
-        settings = results.get("eval") or {}
-        rule = (
-            f"ppl ≤ {settings.get('effective_ppl_ratio', DEFAULT_PPL_RATIO):g}× in-length, "
-            f"accuracy ≥ {settings.get('effective_acc_fraction', DEFAULT_ACC_FRACTION):g}× in-length and above its "
-            "floor, at every length; n/a: no in-length figure, or in-length at the floor"
-        )
-        print(
-            f"effective length ({rule}): "
-            + ", ".join(f"{metric} {'n/a' if n is None else n}" for metric, n in effective.items())
-        )
+    print("\n".join(effective_lines(results)))
     for stat in ("sink", "distance"):
         values = {k: v for k, v in results["summary"].items() if k.startswith(f"attn_{stat}@")}
         if values:
@@ -196,7 +205,57 @@ def print_results(results: dict[str, Any]) -> None:
             )
 
 
+def mqar_distance_plot(results: dict[str, Any], path: Path) -> Path:
+    """MQAR accuracy by query–key distance (each bin at its lower edge), one line per window length."""
+    rows, label, train_len = results["mqar_by_distance"], results["label"], results["train_len"]
+    series = {}
+    for length in sorted({r["length"] for r in rows}):
+        mine = [r for r in rows if r["length"] == length]
+        series[f"windows of {length}"] = ([r["distance_low"] for r in mine], [r["accuracy"] for r in mine], None)
+    return plot_lines(
+        series,
+        path,
+        f"{label}: mqar accuracy by query–key distance (bins from their lower edge)",
+        "query–key distance (tokens)",
+        "accuracy",
+        train_len=train_len,
+        ylim=ACCURACY_LIMITS,
+        references={"uniform guess": results["mqar"][0]["chance_exact"], **keyless_reference(results["mqar"])},
+    )
+
+
+def effective_lines(results: dict[str, Any]) -> list[str]:
+    """Each rule's effective lengths, the rule spelled out with its thresholds (the run is its own comparison)."""
+    recorded = results.get("effective_length") or {}
+    if not isinstance(recorded.get("absolute"), dict):
+        return []
+    thresholds = recorded.get("absolute_thresholds") or {}
+    settings = results.get("eval") or {}
+    ratio = settings.get("effective_ppl_ratio", DEFAULT_PPL_RATIO)
+    fraction = settings.get("effective_acc_fraction", DEFAULT_ACC_FRACTION)
+
+    def shown(lengths: dict[str, int | None]) -> str:
+        return ", ".join(f"{metric} {'n/a' if n is None else n}" for metric, n in lengths.items())
+
+    limits = ", ".join(
+        f"{metric} {'≤' if metric == 'ppl' else '≥'} {value:.4g}" for metric, value in thresholds.items()
+    )
+    return [
+        f"effective length, absolute rule (one threshold for every model compared; here the run alone: {limits}; "
+        f"accuracy also above its floor; at every length up to it): {shown(recorded['absolute'])}",
+        f"effective length, relative rule (ppl ≤ {ratio:g}× the run's own in-length, accuracy ≥ {fraction:g}× its "
+        f"own in-length and above its floor): {shown(recorded['relative'])}",
+        "  (n/a: no in-length figure, an in-length figure that misses the threshold, or in-length at the floor)",
+    ]
+
+
 def keyless_reference(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The keyless floor of exact match as a labelled line, where the rows record it (the retrieval tasks)."""
-    floors = [row["keyless_exact"] for row in rows if row.get("keyless_exact") is not None]
-    return {"keyless floor (exact)": max(floors)} if floors else {}
+    """The keyless floors of exact match as labelled lines, where the rows record them (the retrieval tasks)."""
+    out = {}
+    for key, name in (("keyless_exact", "keyless floor"), ("keyless_exact_elimination", "with elimination")):
+        floors = [row[key] for row in rows if row.get(key) is not None]
+        if floors:
+            out[name] = max(floors)
+    if out.get("with elimination") == out.get("keyless floor"):
+        out.pop("with elimination", None)
+    return out

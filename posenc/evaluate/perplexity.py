@@ -12,10 +12,14 @@ Two ways to cut a held-out stream into windows (the ALiBi paper, Section 4 and A
   N - L, one last window ends exactly at N and scores the targets left over.
 
 Every window of a length has that length, and windows go in batches of one size plus at most one smaller batch:
-at most two input shapes per length, whatever the stride.
+at most two input shapes per length, whatever the stride. A stride may also be a fraction of each evaluation length
+(``stride_fraction``: 0.5 slides windows of N by N/2), so that every scored token past the first window sees at least
+(1 − fraction) · N tokens of context at every length, at a cost of 1 / fraction times the nonoverlapping one.
 
 The scored span is the first ``N`` targets of the stream, with N a multiple of every length, so each length's
-number is an average over identical tokens and lengths are directly comparable. Every figure states N.
+number is an average over identical tokens and lengths are directly comparable. Every figure states N. Given the
+document of every token (``documents``), each length also records the loss summed over each document's scored
+targets, from which a report bootstraps over documents.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class LengthResult:
     loss: float = float("nan")
     error: str | None = None
     loss_by_position: list[float] = field(default_factory=list)
+    document_loss: list[float] | None = None  # summed loss of each document's scored targets (``documents`` order)
+    stride_fraction: float | None = None
 
     @property
     def ppl(self) -> float:
@@ -64,6 +70,8 @@ class LengthResult:
             "bpb": self.bpb,
             "error": self.error,
             "loss_by_position": self.loss_by_position,
+            "document_loss": self.document_loss,
+            "stride_fraction": self.stride_fraction,
         }
 
 
@@ -78,6 +86,11 @@ def scored_span(available: int, lengths: Sequence[int], max_tokens: int | None) 
             f"(the lengths' common multiple is {step}); evaluate at shorter lengths or on more data"
         )
     return span
+
+
+def _stride(length: int, stride: int | None, fraction: float | None) -> int:
+    """The stride at one evaluation length: ``stride`` tokens, or ``fraction`` of the length (at least 1)."""
+    return int(stride) if fraction is None else max(1, round(fraction * length))
 
 
 def _windows(span: int, length: int, stride: int) -> list[tuple[int, int, int]]:
@@ -104,27 +117,34 @@ def evaluate_lengths(
     max_tokens: int | None = 65536,
     tokens_per_batch: int = 16384,
     device: torch.device | str | None = None,
+    stride_fraction: float | None = None,
+    documents: np.ndarray | None = None,
 ) -> list[LengthResult]:
     """Loss, perplexity and bits per byte of ``model`` at each length over the same scored span of ``tokens``.
 
     ``model`` maps tokens (B, L) to logits (B, L, V). A length the model cannot handle (a learned table too
     short) is reported with its error instead of stopping the others. ``tokens_per_batch`` bounds memory: long
-    windows run at batch size 1.
+    windows run at batch size 1. ``documents`` (one document index per token, from 0) adds each document's
+    summed loss to every length's result.
     """
     if mode not in ("nonoverlap", "sliding"):
         raise ValueError(f"eval mode must be 'nonoverlap' or 'sliding', got {mode!r}")
-    if mode == "sliding" and stride is None:
-        raise ValueError("eval mode 'sliding' needs a stride (eval.stride), e.g. half the training length")
+    if mode == "sliding" and (stride is None) == (stride_fraction is None):
+        raise ValueError(
+            "eval mode 'sliding' needs one stride: eval.stride (tokens) or eval.stride_fraction (of each length)"
+        )
     device = device or next(model.parameters()).device
     span = scored_span(len(tokens), lengths, max_tokens)
     stream = torch.from_numpy(np.asarray(tokens[: span + 1]).astype(np.int64))
+    owners = None if documents is None else np.asarray(documents[1 : span + 1], dtype=np.int64)
     was_training = model.training
     model.eval()
     results = []
     try:
         for length in lengths:
-            step = length if mode == "nonoverlap" else min(stride, length)
+            step = length if mode == "nonoverlap" else min(_stride(length, stride, stride_fraction), length)
             result = LengthResult(length=length, mode=mode, stride=None if mode == "nonoverlap" else step, tokens=span)
+            result.stride_fraction = stride_fraction if mode == "sliding" else None
             limit = getattr(model, "max_positions", None)
             if limit is not None and length > limit:
                 result.error = f"max_positions={limit} < {length}"
@@ -132,6 +152,7 @@ def evaluate_lengths(
                 continue
             total = torch.zeros((), dtype=torch.float64)
             by_position = torch.zeros(length, dtype=torch.float64)
+            per_target = torch.zeros(span + 1, dtype=torch.float64)  # the loss of target t at index t (1..span)
             windows = _windows(span, length, step)
             batch = max(1, tokens_per_batch // length)
             for group in (windows[i : i + batch] for i in range(0, len(windows), batch)):
@@ -139,11 +160,14 @@ def evaluate_lengths(
                 targets = torch.stack([stream[s + 1 : e + 1] for s, e, _ in group]).to(device)
                 logits = model(inputs)
                 losses = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none").double().cpu()
-                for row, (_, _, first) in enumerate(group):
+                for row, (start, end, first) in enumerate(group):
                     total += losses[row, first:].sum()
                     by_position += losses[row]
+                    per_target[start + 1 + first : end + 1] = losses[row, first:]
             result.loss = float(total / span)
             result.loss_by_position = (by_position / len(windows)).tolist()
+            if owners is not None:
+                result.document_loss = np.bincount(owners, weights=per_target[1:].numpy()).tolist()
             results.append(result)
     finally:
         model.train(was_training)

@@ -37,7 +37,10 @@ def plot_lines(
     ylim: tuple[float, float] | None = None,
     references: Mapping[str, float] | None = None,
 ) -> Path:
-    """One line (with an optional ± band) per series name: {name: (x, y, half-width or None)}; see ``line_figure``."""
+    """One line (with an optional band) per series: {name: (x, y, band)}; see ``line_figure``.
+
+    A band is None, half-widths around y, or (lows, highs).
+    """
     fig, _ = line_figure(series, title, xlabel, ylabel, train_len, logx, logy, include, min_span, ylim, references)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -75,9 +78,9 @@ def line_figure(
         ax.plot(x, y, marker="o" if len(x) < 20 else None, markersize=3, label=name, **style)
         shown += list(y)
         if band is not None:
-            band = np.asarray(band, dtype=float)
-            ax.fill_between(x, y - band, y + band, alpha=0.2, color=style["color"])
-            shown += list(y - band) + list(y + band)
+            low, high = _band(y, band)
+            ax.fill_between(x, low, high, alpha=0.2, color=style["color"])
+            shown += list(low) + list(high)
     for (name, level), dash in zip((references or {}).items(), itertools.cycle((":", "-.")), strict=False):
         ax.axhline(level, color="black", linestyle=dash, linewidth=1, label=f"{name} {level:.2g}")
         shown.append(level)
@@ -104,6 +107,17 @@ def line_figure(
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return fig, ax
+
+
+def _band(y: np.ndarray, band: Sequence[float] | tuple[Sequence[float], Sequence[float]]) -> tuple[np.ndarray, ...]:
+    """(low, high) of a band given as half-widths around ``y``, or as its two edges.
+
+    An interval need not be symmetric: an accuracy's stays in [0, 1].
+    """
+    if isinstance(band, tuple) and len(band) == 2 and np.ndim(band[0]) == 1:
+        return np.asarray(band[0], dtype=float), np.asarray(band[1], dtype=float)
+    half = np.asarray(band, dtype=float)
+    return y - half, y + half
 
 
 def _limits(low: float, high: float, log: bool, min_span: float | None) -> tuple[float, float]:

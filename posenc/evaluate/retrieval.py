@@ -1,12 +1,12 @@
-"""Retrieval-task accuracy by length (multikey, vartrack, assoc; generators in ``posenc/data/retrieval.py``).
+"""Retrieval-task accuracy by length (multikey, vartrack: ``posenc/data/retrieval.py``; MQAR: ``mqar.py`` here).
 
-Scored by teacher-forced argmax on the answer bytes. Every answer of a window is scored on its own (assoc asks
-many per window; the others one): ``accuracy`` is the fraction of answers whose every byte is the argmax (exactly
-when greedy decoding would produce the whole answer), ``first_byte_accuracy`` the fraction whose first byte is
-(the retrieval itself, before any copying of the rest), ``token_accuracy`` the fraction of answer bytes. Each row
-carries two floors beside them: the chance rates of a uniform guess over the answer alphabet, and the keyless
-rates of the best guess blind to which key goes with which fact (``keyless_rates``), the floor that recall has to
-clear. The same samples are drawn at a
+Scored by teacher-forced argmax on the answer bytes. Every answer of a window is scored on its own:
+``accuracy`` is the fraction of answers whose every byte is the argmax (exactly when greedy decoding would produce
+the whole answer), with the Wilson interval of its counts (``low``, ``high``), ``first_byte_accuracy`` the fraction
+whose first byte is (the retrieval itself, before any copying of the rest), ``token_accuracy`` the fraction of
+answer bytes. Each row carries the floors beside them: the chance rates of a uniform guess over the answer alphabet,
+and the keyless rates of the best guess blind to which key goes with which fact, without and with elimination of
+the answers already given (``keyless_rates``), the floors that recall has to clear. The same samples are drawn at a
 length for every model: generated from (seed, length, task) with the task options the model was trained with.
 """
 
@@ -21,6 +21,8 @@ from torch import Tensor, nn
 
 from posenc.data.retrieval import RETRIEVAL_TASKS, chance_rates, evaluation_options, keyless_rates
 from posenc.data.tasks import IGNORE
+from posenc.evaluate.mqar import evaluate_mqar
+from posenc.evaluate.stats import wilson
 
 
 def answer_spans(targets: Tensor) -> list[tuple[int, int]]:
@@ -66,7 +68,7 @@ def evaluate_retrieval(
     device = device or next(model.parameters()).device
     task_index = list(RETRIEVAL_TASKS).index(task)
     chance_first, chance_exact = chance_rates(task, options)
-    keyless_first, keyless_exact = keyless_rates(task, options)
+    keyless = keyless_rates(task, options)
     was_training = model.training
     model.eval()
     rows = []
@@ -93,13 +95,14 @@ def evaluate_retrieval(
                     "length": length,
                     "samples": samples,
                     "answers": len(exact),
+                    "correct": int(sum(exact)),
                     "accuracy": float(np.mean(exact)),
+                    **dict(zip(("low", "high"), wilson(int(sum(exact)), len(exact)), strict=True)),
                     "first_byte_accuracy": float(np.mean(first)),
                     "token_accuracy": right / scored,
                     "chance_exact": chance_exact,
                     "chance_first_byte": chance_first,
-                    "keyless_exact": keyless_exact,
-                    "keyless_first_byte": keyless_first,
+                    **keyless,
                 }
             )
     finally:
@@ -119,6 +122,7 @@ def evaluate_retrieval_tasks(
 
     ``lengths_for(multiples)`` turns a task's length multiples into the lengths the model supports;
     ``task_options`` (the training data's) size the trained task's samples, the other tasks take their defaults.
+    MQAR adds its breakdowns by distance and by query (``mqar_by_distance``, ``mqar_by_query``).
     """
     seed = int(eval_cfg.get("seed", 1234))
     out = {}
@@ -128,6 +132,12 @@ def evaluate_retrieval_tasks(
         if enabled is True or (enabled == "auto" and trained_task == task):
             lengths = lengths_for(options["multiples"])
             generator_options = task_options if task == trained_task else None
+            if task == "mqar":
+                train_len = lengths_for([1])[0]  # the training length itself (multiple 1, always supported)
+                out |= evaluate_mqar(
+                    model, lengths, train_len, options["samples"], seed, tokens_per_batch, generator_options
+                )
+                continue
             out[task] = evaluate_retrieval(
                 model, task, lengths, options["samples"], seed, tokens_per_batch, options=generator_options
             )

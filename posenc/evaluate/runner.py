@@ -19,9 +19,10 @@ from torch import nn
 from posenc.compiling import eager_blocks
 from posenc.encodings.base import PositionalEncoding
 from posenc.evaluate.attention_stats import attention_stats_by_length, attention_summary, stats_windows
-from posenc.evaluate.effective import effective_lengths
+from posenc.evaluate.effective import RULES, both_rules
+from posenc.evaluate.heldout import heldout_perplexity
 from posenc.evaluate.outputs import TASK_NAMES, print_results, replace_outputs, write_outputs
-from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
+from posenc.evaluate.perplexity import LengthResult
 from posenc.evaluate.retrieval import evaluate_retrieval_tasks
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.evaluate.wandb_tables import log_results
@@ -106,16 +107,7 @@ def _evaluate(
     results["trained_task"] = task  # a task scored on a model trained on something else measures its format
     batch_tokens = eval_cfg.get("tokens_per_batch", 16384)
     if stream is not None:
-        available = [length for length in lengths if length < len(stream)]
-        rows = evaluate_lengths(
-            model,
-            stream,
-            available,
-            mode=eval_cfg["mode"],
-            stride=eval_cfg.get("stride"),
-            max_tokens=eval_cfg.get("max_tokens"),
-            tokens_per_batch=batch_tokens,
-        )
+        rows, results["documents"] = heldout_perplexity(model, stream, lengths, eval_cfg, batch_tokens)
         base = next((r for r in rows if r.length == train_len and not r.error), None)
         results["perplexity"] = [
             r.as_dict() | {"multiple": r.length / train_len, "ratio": _ratio(r, base), "loss_by_position": None}
@@ -149,7 +141,7 @@ def _evaluate(
         results["attention_stats"] = attention_stats_by_length(
             model, stats_lengths, windows_for, train_len, batch_tokens
         )
-    results["effective_length"] = effective_lengths(results)
+    results["effective_length"] = both_rules(results)
     results["summary"] = summary_metrics(results)
     return results
 
@@ -184,9 +176,11 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
                 out[f"{name}_first_byte@{_multiple_tag(row['length'] / train_len)}"] = row["first_byte_accuracy"]
     for (stat, length), value in attention_summary(results.get("attention_stats") or []).items():
         out[f"attn_{stat}@{_multiple_tag(length / train_len)}"] = value
-    for metric, length in (results.get("effective_length") or {}).items():
-        if length is not None:  # a summary holds numbers; no in-length figure means no value
-            out[f"effective_length/{metric}"] = length
+    recorded = results.get("effective_length") or {}
+    for rule in RULES:
+        for metric, length in (recorded.get(rule) or {}).items():
+            if length is not None:  # a summary holds numbers; no in-length figure means no value
+                out[f"effective_length_{rule}/{metric}"] = length
     return out
 
 
@@ -235,4 +229,5 @@ class ExtrapolationEval(Callback):
         )
         images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
         print_results(self.results)
-        log_results(self.results, trainer.loggers, images, trainer.global_step)
+        # Under its folder's name (eval, eval_sliding_f0.5, ...): two evaluations of one run never share a key.
+        log_results(self.results, trainer.loggers, images, trainer.global_step, namespace=self.out_dir.name)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from posenc.data import mqar
 from posenc.data.retrieval import CAPITALS
 from posenc.data.tasks import (
     COPY_ALPHABET,
@@ -31,7 +32,7 @@ CHANCE_PER_BYTE = {
     "copy": 1 / len(COPY_ALPHABET),
     "multikey": 1 / len(DIGITS),
     "vartrack": 1 / len(CAPITALS),
-    "assoc": 1 / len(DIGITS),
+    "mqar": mqar.chance_rate(),
 }
 
 __all__ = [

@@ -30,7 +30,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar=("A", "B"),
         help="add a paired comparison (matched by seed) of perplexity between columns A and B",
     )
+    for flag, what in (
+        ("--ppl-threshold", "effective length, absolute rule: the perplexity every column must stay under"),
+        ("--acc-threshold", "effective length, absolute rule: the accuracy every column must reach (RULER: 0.856)"),
+        ("--ppl-ratio", "the ratio to in-length perplexity (relative rule; absolute: to the best column's)"),
+        ("--acc-fraction", "the fraction of in-length accuracy (relative rule; absolute: of the best column's)"),
+    ):
+        parser.add_argument(flag, type=float, help=what)
     args = parser.parse_args(argv)
+    for flag, number, valid in (
+        ("--ppl-threshold", args.ppl_threshold, lambda x: x >= 1),
+        ("--acc-threshold", args.acc_threshold, lambda x: 0 < x <= 1),
+        ("--ppl-ratio", args.ppl_ratio, lambda x: x >= 1),
+        ("--acc-fraction", args.acc_fraction, lambda x: 0 < x <= 1),
+    ):
+        if number is not None and not valid(number):
+            bounds = "≥ 1" if "ppl" in flag else "in (0, 1]"
+            raise SystemExit(f"{flag} {number:g} must be {bounds}")
     if not args.paths and not args.wandb:
         parser.error("give run/sweep directories, or --wandb ENTITY/PROJECT")
     unreadable: list[str] = []
@@ -50,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             make_plots=not args.no_plots,
             include_unfinished=args.include_unfinished,
             paired=tuple(args.paired) if args.paired else None,
+            thresholds={
+                "ppl_threshold": args.ppl_threshold,
+                "acc_threshold": args.acc_threshold,
+                "ppl_ratio": args.ppl_ratio,
+                "acc_fraction": args.acc_fraction,
+            },
         )
     )
     print(f"wrote {out_dir / 'report.md'}")

@@ -7,7 +7,7 @@ from typing import Any
 
 from posenc.evaluate.attention_stats import mean_by_length
 from posenc.identity import columns
-from posenc.report.common import Appendix, Columns, marked_cells, order, table_head
+from posenc.report.common import Appendix, Columns, interval_cells, order, table_head
 
 ATTENTION_STATS = {
     "sink": "Sink mass: attention probability on the window's first token",
@@ -54,10 +54,9 @@ def attention_tables(results: list[dict[str, Any]], appendix: Appendix | None = 
                 ),
             ]
             for length in lengths:
-                row = marked_cells(
+                row = interval_cells(
                     {label: [attention_means(run, stat).get(length) for run in by_label[label]] for label in labels},
                     digits=3,
-                    marks=False,
                 )
                 out.append(f"| {length} | {length / train_len:g} | " + " | ".join(row[x] for x in labels) + " |")
             out.append("")

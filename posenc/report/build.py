@@ -24,8 +24,10 @@ from posenc.report.common import Appendix, run_dir
 from posenc.report.cost import cost_plots_of, log_cost_scatter
 from posenc.report.effective import effective_tables
 from posenc.report.paired import paired_section
-from posenc.report.perplexity import group_runs, perplexity_tables
-from posenc.report.plots import attention_plots, perplexity_plots, task_plots
+from posenc.report.perplexity import group_order, group_runs, perplexity_tables
+from posenc.report.plots import attention_plots, curve_plots, perplexity_plots, task_plots
+from posenc.report.protocols import protocol_tables
+from posenc.report.retrieval import retrieval_tables
 from posenc.report.tasks import task_tables
 
 Results = list[dict[str, Any]]
@@ -33,7 +35,7 @@ Results = list[dict[str, Any]]
 
 def perplexity_section(results: Results, appendix: Appendix) -> list[str]:
     sections = []
-    for key, by_label in sorted(group_runs(results).items(), key=lambda item: str(item[0])):
+    for key, by_label in sorted(group_runs(results).items(), key=lambda item: group_order(item[0])):
         sections += ["", perplexity_tables(key, by_label, appendix)]
     return sections
 
@@ -48,15 +50,16 @@ def _text(make: Callable[[Results, Appendix], str]) -> Callable[[Results, Append
 
 SECTIONS: list[Callable[[Results, Appendix], list[str]]] = [
     perplexity_section,
+    _text(protocol_tables),
     _text(lambda results, appendix: task_tables(results, appendix=appendix)),
-    _text(lambda results, appendix: task_tables(results, tuple(RETRIEVAL_TASKS), appendix)),
+    _text(retrieval_tables),
     _text(attention_tables),
-    _text(effective_tables),
 ]
 FIGURES: list[Callable[[Results, Path], list[Path]]] = [
     lambda results, out_dir: perplexity_plots(group_runs(results), out_dir),
     task_plots,
     lambda results, out_dir: task_plots(results, out_dir, tuple(RETRIEVAL_TASKS)),
+    curve_plots,
     attention_plots,
     cost_plots_of,
 ]
@@ -68,13 +71,15 @@ def build_report(
     make_plots: bool = True,
     include_unfinished: bool = False,
     paired: tuple[str, str] | None = None,
+    thresholds: dict[str, float | None] | None = None,
 ) -> str:
     """Write report.md (and plots) to ``out_dir``; return the markdown.
 
     Failed runs are listed apart and never counted. Unfinished runs (their weights stopped before
     ``trainer.max_steps``) are listed apart too, unless ``include_unfinished``: then they are columns of their
     own, since their steps trained are part of their identity. ``paired`` (two column labels) adds their paired
-    comparison, and refuses with one line when their seeds do not match.
+    comparison, and refuses with one line when their seeds do not match. ``thresholds`` (``ppl_threshold``,
+    ``acc_threshold``, ``ppl_ratio``, ``acc_fraction``) override the runs' settings of the effective-length rules.
     """
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
@@ -106,6 +111,8 @@ def build_report(
     appendix = Appendix()
     for section in SECTIONS:
         sections += section(results, appendix)
+    effective = effective_tables(results, appendix, thresholds)
+    sections += ["", effective] if effective else []
     if paired is not None:
         sections += paired_section(results, *paired)
     images = [image for figure in FIGURES for image in figure(results, out_dir)] if make_plots else []

@@ -10,11 +10,12 @@ run directories behind every column.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posenc.evaluate.stats import Interval, overlaps_best, t_interval
+from posenc.evaluate.stats import ALPHA, Interval, holm, paired_comparison, t_interval
 from posenc.identity import identity
 
 Key = tuple[int, str, int | None]  # (train_len, mode, stride)
@@ -33,13 +34,17 @@ def mean_halfwidth(values: Sequence[float | None]) -> tuple[float, float, int]:
     return iv.mean, iv.half_width or 0.0, iv.n
 
 
-BEST, NOT_SEPARATED = "◆", "≈"
+BEST, NOT_SEPARATED, UNTESTED = "◆", "≈", "?"
 MARKS_LEGEND = (
-    f"Cells are the mean over seeds ± the half-width of its 95% Student-t interval (n seeds in the column header; "
-    f"a column of one seed shows its mean alone: one seed gives no interval). {BEST} marks the best mean at a "
-    f"length (every cell that ties it), {NOT_SEPARATED} a cell whose interval overlaps the best one's (the seeds "
-    "cannot tell the two apart); "
-    "cells without a mark are separated from the best, or have no interval to compare."
+    "Cells are the mean over seeds ± the half-width of its 95% Student-t interval (n seeds in the column header; "
+    "a column of one seed shows its mean alone: one seed gives no interval)."
+)
+PAIRED_LEGEND = (
+    f"Marks come from paired tests, not from overlapping intervals: {BEST} is the column with the best mean at a "
+    "length; every other column is compared with it by a paired t-test over the seeds both share, on "
+    "log-perplexity, and the p-values of a row are adjusted by Holm's method for the number of columns compared. "
+    f"{NOT_SEPARATED}: adjusted p ≥ 0.05, the seeds do not separate the column from the best; no mark: adjusted "
+    f"p < 0.05; {UNTESTED}: fewer than 2 seeds shared with the best column, no test."
 )
 
 
@@ -49,31 +54,55 @@ def interval(values: Sequence[float | None]) -> Interval | None:
     return t_interval(finite) if finite else None
 
 
-def marked_cells(
-    by_label: dict[str, Sequence[float | None]], digits: int = 2, higher_is_better: bool = False, marks: bool = True
-) -> dict[str, str]:
-    """{column: ``mean ± half-width`` and its mark} for one row, so the reader sees which cells the seeds separate.
-
-    ``marks=False`` leaves them out where no cell can be best: every cell equal by construction (the ratio at the
-    training length), or a quantity that is not better high or low (attention statistics).
+def interval_cells(by_label: Mapping[str, Sequence[float | None]], digits: int = 2) -> dict[str, str]:
+    """{column: ``mean ± half-width``} for one row, without marks (a quantity that is not better high or low).
 
     A cell's own n is shown only where it differs from its column's (a length that failed for some seeds).
     """
-    intervals = {label: interval(values) for label, values in by_label.items()}
-    present = {label: iv for label, iv in intervals.items() if iv is not None}
-    overlapping = overlaps_best(present, higher_is_better) if marks else {}
-    best = (max if higher_is_better else min)((iv.mean for iv in present.values()), default=None)
     out = {}
-    for label, iv in intervals.items():
+    for label, values in by_label.items():
+        iv = interval(values)
         if iv is None:
             out[label] = "—"
             continue
         text = f"{iv.mean:.{digits}f}" + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}f}")
-        if iv.n != len(by_label[label]):
-            text += f" (n={iv.n})"
-        mark = "" if not marks else BEST if iv.mean == best else NOT_SEPARATED if overlapping.get(label) else ""
-        out[label] = f"{text} {mark}".rstrip()
+        out[label] = text + (f" (n={iv.n})" if iv.n != len(values) else "")
     return out
+
+
+def paired_marks(by_label: Mapping[str, Mapping[Any, float]], higher_is_better: bool = False) -> dict[str, str]:
+    """{column: mark} for one row from {column: {seed: value}} (see ``PAIRED_LEGEND``).
+
+    The best column has the best mean over its seeds; each other column is paired with it on the seeds both have
+    (``paired_comparison``) and the row's p-values are Holm-adjusted together.
+    """
+    finite = {
+        label: {seed: v for seed, v in values.items() if v is not None and math.isfinite(v)}
+        for label, values in by_label.items()
+    }
+    means = {label: statistics.fmean(values.values()) for label, values in finite.items() if values}
+    if not means:
+        return {}
+    best = (max if higher_is_better else min)(means, key=means.__getitem__)
+    p_values, marks = {}, {}
+    for label in means:
+        if means[label] == means[best]:
+            marks[label] = BEST
+            continue
+        shared = sorted(set(finite[label]) & set(finite[best]), key=str)
+        if len(shared) < 2:
+            marks[label] = UNTESTED
+            continue
+        a, b = [finite[label][seed] for seed in shared], [finite[best][seed] for seed in shared]
+        p_values[label] = paired_comparison(a, b).p_value
+    for label, p in holm(p_values).items():
+        marks[label] = NOT_SEPARATED if p >= ALPHA else ""
+    return marks
+
+
+def seeded(runs: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> dict[Any, float | None]:
+    """{seed: get(run)} over a column's runs (a run without a recorded seed keyed by its position)."""
+    return {run.get("seed", f"#{index}"): get(run) for index, run in enumerate(runs)}
 
 
 def order(labels: Iterable[str]) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from posenc.evaluate import RATIO_MIN_SPAN
 from posenc.report.common import Columns, Key, interval, order, run_dir
-from posenc.report.perplexity import group_runs, value
+from posenc.report.perplexity import group_runs, protocol, suffix, value
 from posenc.runs import RUN_FILE
 
 REFERENCE = "nope"
@@ -82,7 +82,8 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
     from posenc.evaluate.plots import line_figure, plt  # matplotlib only when plotting
 
     images = []
-    for (train_len, mode, stride), by_label in sorted(groups.items(), key=lambda item: str(item[0])):
+    for key, by_label in sorted(groups.items(), key=lambda item: str(item[0])):
+        train_len, mode, stride = key
         points, against = cost_points(by_label)
         if not points:
             continue
@@ -90,7 +91,7 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
         ends = [p["ratio"] + sign * (p["half_width"] or 0.0) for p in points for sign in (-1, 1)]
         fig, ax = line_figure(
             {p["label"]: ([p["throughput"]], [p["ratio"]], None) for p in points},
-            f"cost vs extrapolation (trained at L={train_len}, {mode}; ratio at {longest} = {longest / train_len:g}×)",
+            f"cost vs extrapolation (trained at L={train_len}; {protocol(mode, stride)})",
             f"training throughput relative to {against}",
             f"perplexity ratio at {longest / train_len:g}× vs 1× (95% t interval over seeds)",
             logx=False,
@@ -113,8 +114,7 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
         ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
         low, high = min(p["throughput"] for p in points), max(p["throughput"] for p in points)
         ax.set_xlim(low - 0.05 * max(high - low, 0.2), high + 0.12 * max(high - low, 0.2))  # room for the names
-        suffix = f"L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
-        path = out_dir / f"cost_vs_extrapolation_{suffix}.png"
+        path = out_dir / f"cost_vs_extrapolation_{suffix(key)}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -131,12 +131,12 @@ def log_cost_scatter(results: list[dict[str, Any]], run: Any) -> None:
     """The same points as a ``wandb.plot.scatter`` per group, logged to the active W&B ``run``."""
     import wandb
 
-    for (train_len, mode, stride), by_label in group_runs(results).items():
+    for group, by_label in group_runs(results).items():
         points, against = cost_points(by_label)
         if not points:
             continue
         fields = ["label", "throughput", "ratio", "half_width", "n", "length"]
         table = wandb.Table(columns=fields, data=[[p[f] for f in fields] for p in points])
-        key = f"report/cost_vs_extrapolation_L{train_len}_{mode}" + (f"_s{stride}" if stride else "")
+        key = f"report/cost_vs_extrapolation_{suffix(group)}"
         title = f"ratio at {points[0]['length']} vs throughput relative to {against}"
         run.log({key: wandb.plot.scatter(table, "throughput", "ratio", title=title)})

@@ -1,20 +1,22 @@
 """A paired comparison of two columns on request: the same seeds on both sides, matched by seed, per length.
 
 Two schemes trained on the same seeds (the same data order and initial draws) share the seed-to-seed variation;
-differencing per seed removes it, so the paired t interval is what a claim "a beats b" has to clear. Columns whose
-seeds do not match cannot be paired: the comparison is refused rather than pairing unlike runs.
+differencing per seed removes it, so the paired t interval is what a claim "a beats b" has to clear. The test is on
+log-perplexity (the loss), where a scheme's seeds spread evenly, and is shown as the ratio of perplexities it implies.
+Columns whose seeds do not match cannot be paired: the comparison is refused rather than pairing unlike runs.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from posenc.evaluate.stats import paired_comparison
-from posenc.report.perplexity import group_runs, value
+from posenc.report.perplexity import group_runs, protocol, value
 
 
 def paired_section(results: list[dict[str, Any]], a: str, b: str) -> list[str]:
-    """Markdown lines: for every group holding both columns, a − b in perplexity per length (mean, interval, p).
+    """Markdown lines: for every group holding both columns, a / b in perplexity per length (ratio, interval, p).
 
     Raises ``SystemExit`` with one line when no group has both columns or when their seeds differ.
     """
@@ -33,28 +35,29 @@ def paired_section(results: list[dict[str, Any]], a: str, b: str) -> list[str]:
             raise SystemExit(f"cannot pair {a!r} with {b!r}: a paired comparison needs at least 2 shared seeds")
         seeds = sorted(seeds_a, key=str)
         lengths = sorted({row["length"] for run in by_label[a] + by_label[b] for row in run["perplexity"]})
-        how = mode + (f", stride {stride}" if stride else "")
+        how = protocol(mode, stride)
         out += [
             "",
-            f"## Paired: {a} − {b}, trained at L={train_len} — {how}",
+            f"## Paired: {a} / {b}, trained at L={train_len} — {how}",
             "",
-            f"Perplexity of {a} minus that of {b}, seed by seed ({len(seeds)} seeds: {', '.join(map(str, seeds))}): "
-            "the mean difference, its 95% Student-t interval and the two-sided p-value of the paired t-test "
-            "(negative: {a} lower).".replace("{a}", a),
+            f"Log-perplexity of {a} minus that of {b}, seed by seed ({len(seeds)} seeds: "
+            f"{', '.join(map(str, seeds))}), "
+            "shown as the perplexity ratio it implies: exp of the mean difference, exp of its 95% Student-t interval, "
+            "and the two-sided p-value of the paired t-test (below 1: {a} lower).".replace("{a}", a),
             "",
-            "| length | ×L | mean difference | 95% interval | p |",
+            "| length | ×L | perplexity ratio | 95% interval | p |",
             "|---:|---:|---:|---:|---:|",
         ]
         for length in lengths:
             pairs = [(value(seeds_a[s], length, "ppl"), value(seeds_b[s], length, "ppl")) for s in seeds]
-            kept = [(x, y) for x, y in pairs if x is not None and y is not None]
+            kept = [(math.log(x), math.log(y)) for x, y in pairs if x and y and math.isfinite(x) and math.isfinite(y)]
             if len(kept) < 2:
                 out.append(f"| {length} | {length / train_len:g} | — | fewer than 2 seeds evaluated on both | — |")
                 continue
             c = paired_comparison([x for x, _ in kept], [y for _, y in kept])
-            low, high = c.mean_difference - c.half_width, c.mean_difference + c.half_width
+            low, high = math.exp(c.mean_difference - c.half_width), math.exp(c.mean_difference + c.half_width)
             out.append(
-                f"| {length} | {length / train_len:g} | {c.mean_difference:+.3f} | [{low:+.3f}, {high:+.3f}] "
+                f"| {length} | {length / train_len:g} | {math.exp(c.mean_difference):.4f} | [{low:.4f}, {high:.4f}] "
                 f"| {c.p_value:.3g} |"
             )
     if not out:

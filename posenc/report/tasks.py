@@ -1,4 +1,10 @@
-"""The task sections: accuracy by length for passkey, copy and the retrieval tasks, and passkey by key depth."""
+"""The task sections: accuracy by length for passkey and copy, passkey by key depth; cells shared with retrieval.
+
+An accuracy is a proportion, and every interval here stays in [0, 1]: a column of one seed shows its run's accuracy
+with the Wilson interval of its answers, a column of several the mean over seeds with a percentile bootstrap over
+the seeds. No significance marks: a seed learns a retrieval or does not, which no t-test models (the retrieval
+section counts the seeds that learned).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from posenc.evaluate.stats import bootstrap_mean, wilson
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
 from posenc.identity import columns
-from posenc.report.common import MARKS_LEGEND, Appendix, Columns, marked_cells, order, table_head
+from posenc.report.common import Appendix, Columns, order, table_head
 
 TASKS = ("passkey", "copy")
 
@@ -28,15 +35,12 @@ def task_tables(results: list[dict[str, Any]], tasks: Sequence[str] = TASKS, app
             title = f"{task} accuracy, trained at L={train_len}"
             depths = " (mean over key depths)" if task == "passkey" else ""
             head = table_head(by_label, labels, title=title, appendix=appendix)
-            out += [f"## {title}", "", MARKS_LEGEND, ""]
+            out += [f"## {title}", "", ACCURACY_LEGEND, ""]
             for field, what in _accuracy_fields(by_label, task):
-                out += [f"{what}{depths}{_chance(by_label, task, field)}:", "", *head]
+                out += [f"{what}{depths}{chance_note(by_label, task, field)}:", "", *head]
                 for length in lengths:
-                    row = marked_cells(
-                        {label: task_accuracies(by_label[label], task, length, field=field) for label in labels},
-                        higher_is_better=True,
-                    )
-                    out.append(f"| {length} | {length / train_len:g} | " + " | ".join(row[x] for x in labels) + " |")
+                    row = [accuracy_cell(by_label[label], task, length, field) for label in labels]
+                    out.append(f"| {length} | {length / train_len:g} | " + " | ".join(row) + " |")
                 out.append("")
             untrained = [
                 label for label in labels if any(run.get("trained_task", task) != task for run in by_label[label])
@@ -51,6 +55,42 @@ def task_tables(results: list[dict[str, Any]], tasks: Sequence[str] = TASKS, app
     return "\n".join(out)
 
 
+ACCURACY_LEGEND = (
+    "Cells: a column of one seed shows its run's accuracy [95% Wilson interval of its answers]; a column of several "
+    "the mean over its seeds [95% percentile bootstrap over the seeds]. Both stay within [0, 1]."
+)
+
+
+def accuracy_cell(
+    runs: list[dict[str, Any]], task: str, length: int, field: str = "accuracy", depth: float | None = None
+) -> str:
+    """One accuracy cell (``ACCURACY_LEGEND``): Wilson for one run where its counts are known, else a bootstrap."""
+    values = task_accuracies(runs, task, length, depth, field)
+    if not values:
+        return "—"
+    shown = f"{statistics.fmean(values):.2f}"
+    if len(values) > 1:
+        low, high = bootstrap_mean(values)
+    else:
+        rows = [r for r in runs[0][task] if r["length"] == length and (depth is None or r["depth"] == depth)]
+        counts = _counts(rows)
+        if counts is None or field != "accuracy":
+            return shown
+        low, high = wilson(*counts)
+    cell = f"{shown} [{low:.2f}, {high:.2f}]"
+    return cell + (f" (n={len(values)})" if len(values) != len(runs) else "")
+
+
+def _counts(rows: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """(right, scored) answers of one run's rows at a length: recorded, or worked out from accuracy × samples."""
+    if rows and all(row.get("answers") is not None and row.get("correct") is not None for row in rows):
+        return sum(int(row["correct"]) for row in rows), sum(int(row["answers"]) for row in rows)
+    if rows and all(row.get("samples") for row in rows):
+        right = sum(round(float(row["accuracy"]) * int(row["samples"])) for row in rows)
+        return right, sum(int(row["samples"]) for row in rows)
+    return None
+
+
 FIELDS = {
     "accuracy": "Exact match (the whole answer right)",
     "first_byte_accuracy": "First answer byte right",
@@ -58,6 +98,7 @@ FIELDS = {
 }
 CHANCE_FIELDS = {"accuracy": "chance_exact", "first_byte_accuracy": "chance_first_byte"}
 KEYLESS_FIELDS = {"accuracy": "keyless_exact", "first_byte_accuracy": "keyless_first_byte"}
+ELIMINATION_FIELDS = {"accuracy": "keyless_exact_elimination", "first_byte_accuracy": "keyless_first_byte_elimination"}
 
 
 def _rows(by_label: Columns, task: str) -> list[dict[str, Any]]:
@@ -71,7 +112,7 @@ def _accuracy_fields(by_label: Columns, task: str) -> list[tuple[str, str]]:
     return [(field, what) for field, what in FIELDS.items() if any(row.get(field) is not None for row in rows)]
 
 
-def _chance(by_label: Columns, task: str, field: str) -> str:
+def chance_note(by_label: Columns, task: str, field: str) -> str:
     """`` (chance: 0.10, …)``: the floors ``field`` is read against, where recorded.
 
     A uniform guess over the answer alphabet, and the best guess blind to which key goes with which fact: the floor
@@ -80,8 +121,11 @@ def _chance(by_label: Columns, task: str, field: str) -> str:
     rows = _rows(by_label, task)
     recorded = sorted({row[CHANCE_FIELDS[field]] for row in rows if row.get(CHANCE_FIELDS.get(field, ""))})
     keyless = sorted({row[KEYLESS_FIELDS[field]] for row in rows if row.get(KEYLESS_FIELDS.get(field, ""))})
+    eliminating = sorted({row[k] for row in rows if row.get(k := ELIMINATION_FIELDS.get(field, ""))})
     if recorded:
         blind = f"; {', '.join(f'{value:.2g}' for value in keyless)} without matching keys" if keyless else ""
+        if eliminating and eliminating != keyless:
+            blind += f" ({', '.join(f'{value:.2g}' for value in eliminating)} with elimination)"
         return " (chance: " + ", ".join(f"{value:.2g}" for value in recorded) + f", a uniform guess{blind})"
     if field == "token_accuracy":
         return f" (chance: {CHANCE_PER_BYTE[task]:.2f}, guessing each answer byte)"
@@ -121,10 +165,7 @@ def _depth_table(by_label: Columns, labels: list[str], length: int, train_len: i
         "|---:|" + "---:|" * len(labels),
     ]
     for depth in depths:
-        row = marked_cells(
-            {label: task_accuracies(by_label[label], "passkey", length, depth) for label in labels},
-            higher_is_better=True,
-        )
-        out.append(f"| {depth:g} | " + " | ".join(row[label] for label in labels) + " |")
+        row = [accuracy_cell(by_label[label], "passkey", length, depth=depth) for label in labels]
+        out.append(f"| {depth:g} | " + " | ".join(row) + " |")
     out.append("")
     return out

@@ -107,11 +107,27 @@ def eval_problems(evaluation: Mapping[str, Any]) -> list[str]:
             problems.append(
                 f"{key}={multiples} must list whole multiples of the training length ≥ 1, e.g. {key}=[1,2,4]"
             )
+    stride, fraction = evaluation.get("stride"), evaluation.get("stride_fraction")
     if evaluation["mode"] not in ("nonoverlap", "sliding"):
         problems.append(f"eval.mode={evaluation['mode']!r} must be nonoverlap or sliding")
-    elif evaluation["mode"] == "sliding" and (not _whole(evaluation.get("stride")) or evaluation["stride"] < 1):
-        problems.append(f"eval.mode=sliding needs eval.stride ≥ 1, got {evaluation.get('stride')!r}")
+    elif evaluation["mode"] == "sliding" and (stride is None) == (fraction is None):
+        problems.append(
+            "eval.mode=sliding needs one stride: eval.stride (tokens, e.g. 32) or eval.stride_fraction (of each "
+            f"evaluation length, e.g. 0.5), got stride={stride!r}, stride_fraction={fraction!r}"
+        )
+    elif evaluation["mode"] == "sliding" and stride is not None and (not _whole(stride) or stride < 1):
+        problems.append(f"eval.mode=sliding needs eval.stride ≥ 1, got {stride!r}")
+    for key, values in (("eval.stride_fraction", [] if fraction is None else [fraction]),
+                        ("eval.sliding_fractions", evaluation.get("sliding_fractions") or [])):  # fmt: skip
+        if any(not _fraction(value) for value in values):
+            problems.append(f"{key}={values} must be fractions of the evaluation length in (0, 1], e.g. 0.5")
+    if evaluation.get("sample", "documents") not in ("documents", "head"):
+        problems.append(f"eval.sample={evaluation['sample']!r} must be documents or head")
     return problems
+
+
+def _fraction(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value <= 1
 
 
 def check_model(config: Mapping[str, Any]) -> None:

@@ -1,0 +1,152 @@
+"""MQAR scoring (``posenc/data/mqar.py``): accuracy by window length, by query–key distance and by query index.
+
+Every answer is one byte (a value), scored by teacher-forced argmax at its query. Three breakdowns, each with the
+Wilson interval of its counts:
+
+- ``mqar``: by window length. The row at the training length is scored on windows of the training format (the one
+  generator, a held-out seed stream), so it is the in-distribution accuracy; longer windows are the documented
+  length-extrapolation departure, and each row states how its query–key distances are spread (median, 90th
+  percentile, and the share at or beyond the training length);
+- ``mqar_by_distance``: by query–key distance bin at each length (``mqar.distance_bins``), so recall at distances
+  no training window had is read apart from the length of the window around it;
+- ``mqar_by_query``: by the query's rank in its window (first query, second …), where answering later queries by
+  elimination would show.
+
+Beside every row: the chance rate of a uniform guess over the values and both keyless floors (a guess among the
+block's values, without and with striking out earlier answers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from posenc.data import mqar
+from posenc.evaluate.effective import learned
+from posenc.evaluate.stats import wilson
+
+
+def _counts_row(right: list[bool]) -> dict[str, Any]:
+    """Answers, correct, accuracy and its Wilson interval for one cell."""
+    correct = int(sum(right))
+    low, high = wilson(correct, len(right))
+    return {"answers": len(right), "correct": correct, "accuracy": correct / len(right), "low": low, "high": high}
+
+
+@torch.no_grad()
+def score_windows(
+    model: nn.Module, length: int, samples: int, rng: np.random.Generator, options: Mapping[str, Any], batch: int
+) -> list[tuple[int, int, bool]]:
+    """(query index, distance, right) for every answer of ``samples`` fresh windows of ``length``."""
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, samples, batch):
+        windows = [mqar.mqar_sample(length, rng, **options) for _ in range(min(batch, samples - start))]
+        inputs = torch.stack([w.inputs for w in windows])
+        targets = torch.stack([w.targets for w in windows])
+        right = (model(inputs.to(device)).argmax(dim=-1).cpu() == targets).tolist()
+        for window, row in zip(windows, right, strict=True):
+            out += [
+                (index, distance, row[at])
+                for at, index, distance in mqar.answer_geometry(window.inputs, window.targets)
+            ]
+    return out
+
+
+@torch.no_grad()
+def evaluate_mqar(
+    model: nn.Module,
+    lengths: Sequence[int],
+    train_len: int,
+    samples: int,
+    seed: int,
+    tokens_per_batch: int = 16384,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """{"mqar", "mqar_by_distance", "mqar_by_query": rows} over ``samples`` windows at every length.
+
+    The same windows are drawn at a length for every model (generated from (seed, length) with the options the
+    model was trained with).
+    """
+    options = dict(options or {})
+    num_pairs = int(options.get("num_pairs", mqar.NUM_PAIRS))
+    blind, eliminating = mqar.keyless_floors(num_pairs)
+    floors = {
+        "chance_exact": mqar.chance_rate(int(options.get("vocab", mqar.VOCAB))),
+        "keyless_exact": blind,
+        "keyless_exact_elimination": eliminating,
+    }
+    bins = mqar.distance_bins(train_len, max(lengths))
+    was_training = model.training
+    model.eval()
+    by_length, by_distance, by_query = [], [], []
+    try:
+        for length in lengths:
+            rng = np.random.default_rng([seed, length, 7])
+            answers = score_windows(model, length, samples, rng, options, max(1, tokens_per_batch // length))
+            distances = np.array([distance for _, distance, _ in answers])
+            by_length.append(
+                {
+                    "task": "mqar",
+                    "length": length,
+                    "samples": samples,
+                    **_counts_row([right for _, _, right in answers]),
+                    "training_format": length == train_len,
+                    "distance_median": float(np.median(distances)),
+                    "distance_p90": float(np.percentile(distances, 90)),
+                    "beyond_train_len": float(np.mean(distances >= train_len)),
+                    **floors,
+                }
+            )
+            for low, high in bins:
+                right = [r for _, d, r in answers if low <= d < high]
+                if right:
+                    cell = {"length": length, "distance_low": low, "distance_high": high}
+                    by_distance.append(cell | _counts_row(right))
+            for index in range(num_pairs):
+                right = [r for i, _, r in answers if i == index]
+                by_query.append({"length": length, "query": index + 1, **_counts_row(right)})
+    finally:
+        model.train(was_training)
+    return {"mqar": by_length, "mqar_by_distance": by_distance, "mqar_by_query": by_query}
+
+
+def console_lines(results: Mapping[str, Any]) -> list[str]:
+    """The printout of an MQAR evaluation: by length with intervals and floors, then by distance and by query."""
+    rows, train_len = results["mqar"], int(results["train_len"])
+    first = rows[0]
+    verdict = learned(rows, train_len)
+    lines = [
+        "mqar accuracy by length (95% Wilson interval; 1x = held-out windows of the training format): "
+        + ", ".join(
+            f"{r['length'] / train_len:g}x {r['accuracy']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" for r in rows
+        ),
+        f"  floors: uniform guess {first['chance_exact']:.4f}; keyless {first['keyless_exact']:.3f} "
+        f"({first['keyless_exact_elimination']:.3f} with elimination); learned (in-length interval above both): "
+        + {True: "yes", False: "no", None: "n/a (no in-length row)"}[verdict],
+        "  query–key distances: "
+        + ", ".join(
+            f"{r['length'] / train_len:g}x median {r['distance_median']:g}, {r['beyond_train_len']:.0%} ≥ L"
+            for r in rows
+        ),
+    ]
+    cells = {(r["length"], r["distance_low"]): r for r in results.get("mqar_by_distance", [])}
+    bins = sorted({(r["distance_low"], r["distance_high"]) for r in results.get("mqar_by_distance", [])})
+    if bins:
+        lines.append("mqar accuracy by query–key distance (answers in brackets):")
+        lines.append(f"  {'length':>7} " + " ".join(f"{f'[{low},{high})':>15}" for low, high in bins))
+        for row in rows:
+            shown = [cells.get((row["length"], low)) for low, _ in bins]
+            text = [f"{c['accuracy']:.2f} ({c['answers']})" if c else "" for c in shown]
+            lines.append(f"  {row['length']:>7} " + " ".join(f"{t:>15}" for t in text))
+    queries = results.get("mqar_by_query", [])
+    if queries:
+        lines.append("mqar accuracy by query index in the window (1 = first query):")
+        for row in rows:
+            mine = [q for q in queries if q["length"] == row["length"]]
+            lines.append(f"  {row['length']:>7} " + " ".join(f"q{q['query']} {q['accuracy']:.2f}" for q in mine))
+    return lines
