@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +35,23 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def cuda_branches(monkeypatch: pytest.MonkeyPatch):
+    """The CUDA-only branches on CPU tensors, FlexAttention's dense backward allowed on CPU, a fresh dynamo."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    import posenc.attention.flex as flex
+    from posenc.runtime import forced_cuda_path
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
+    torch._dynamo.reset()
+    with forced_cuda_path(), warnings.catch_warnings():
+        # As on CUDA: FlexAttention run unfused (every score materialised) is an error, not a warning.
+        warnings.filterwarnings("error", message=flex.FALLBACK_WARNING, category=UserWarning)
+        yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")

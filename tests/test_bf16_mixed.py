@@ -15,21 +15,16 @@ dtype: an ``.float()`` before them does not keep them in fp32. Two kinds of test
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-import torch.nn.attention.flex_attention as flex_module
 from conftest import HEAD_DIM, HEADS, SCHEMES, make
 
-import posenc.attention.flex as flex
 from posenc.attention import get_backend
 from posenc.attention.bias_grad import derivative_sums, diagonal_sums, row_deltas
 from posenc.attention.eager import attention_weights
 from posenc.compiling import compile_blocks
 from posenc.encodings.base import PositionalEncoding
 from posenc.model import Decoder
-from posenc.runtime import forced_cuda_path
 
 LENGTH, VOCAB = 40, 50
 
@@ -105,17 +100,6 @@ def test_bias_gradient_identities_stay_fp32_under_autocast() -> None:
 
 
 # ---- a training step under autocast, eager and compiled --------------------------------------------------------
-
-
-@pytest.fixture
-def cuda_branches(monkeypatch: pytest.MonkeyPatch):
-    """The CUDA-only branches on CPU tensors, FlexAttention's dense backward allowed on CPU, a fresh dynamo."""
-    monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
-    torch._dynamo.reset()
-    with forced_cuda_path(), warnings.catch_warnings():
-        warnings.filterwarnings("error", message=flex.FALLBACK_WARNING, category=UserWarning)
-        yield
-    torch._dynamo.reset()
 
 
 def _step(model: Decoder, tokens: torch.Tensor, mixed: bool) -> tuple[float, dict[str, torch.Tensor]]:

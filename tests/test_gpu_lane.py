@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -35,7 +34,6 @@ from posenc.compiling import compile_blocks
 from posenc.encodings.base import DerivativeForm, TableForm
 from posenc.evaluate.attention_stats import attention_statistics
 from posenc.model import Decoder
-from posenc.runtime import forced_cuda_path
 
 pytestmark = pytest.mark.lane
 
@@ -71,18 +69,6 @@ def test_triton_kernels_compile_for_h100_and_fit_its_shared_memory() -> None:
 
 
 # ---- compiled blocks with the CUDA branches taken ---------------------------------------------------------------
-
-
-@pytest.fixture
-def cuda_branches(monkeypatch: pytest.MonkeyPatch):
-    """The CUDA-only branches on CPU tensors, FlexAttention's dense backward allowed on CPU, a fresh dynamo."""
-    monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
-    torch._dynamo.reset()
-    with forced_cuda_path(), warnings.catch_warnings():
-        # As on CUDA: FlexAttention run unfused (every score materialised) is an error, not a warning.
-        warnings.filterwarnings("error", message=flex.FALLBACK_WARNING, category=UserWarning)
-        yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name", SCHEMES)
