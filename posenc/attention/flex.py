@@ -154,8 +154,8 @@ TABLE_KERNEL_OPTIONS: dict[str, int | str] = {
 # Tiles for fp32 queries: with torch's defaults (and with the table tiles above) fp32 kernels spill up to 115 KB of
 # registers per thread (T5's backward at head dim 128 on an A100), and at head dim 128 ask an L4 or RTX 4090 (sm_89,
 # 99 KB) for 131-148 KB of shared memory, where inductor then finds no valid config. Quarter-size tiles fit every
-# device with few or no spills (the figures: ``python -m posenc.lane``, docs/gpu.md). fp32 attention is
-# bandwidth-bound anyway; training on a GPU runs bf16-mixed, where the tiles above apply.
+# device with few or no spills (the figures: ``python -m posenc.lane``, docs/gpu.md); their speed is for a GPU to
+# time. Training on a GPU runs bf16-mixed, where the tiles above apply.
 FP32_KERNEL_OPTIONS: dict[str, int | str] = {
     "BACKEND": "TRITON",
     "fwd_BLOCK_M": 32,
