@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import posenc.attention.flex as flex
 from posenc.attention import get_backend
-from posenc.attention.flex import TABLE_KERNEL_OPTIONS, compiled_flex_attention, kernel_options
+from posenc.attention.flex import FP32_KERNEL_OPTIONS, TABLE_KERNEL_OPTIONS, compiled_flex_attention, kernel_options
 from posenc.attention.flex_learnable import _AttachBiasGradient
 from posenc.compiling import compile_blocks, eager_blocks
 from posenc.encodings import available
@@ -149,9 +149,12 @@ def test_autograd_function_output_is_not_a_view() -> None:
 @pytest.mark.parametrize("name", [*available(), "alibi+kerple_log+t5", "rope+t5"])
 def test_table_biases_get_tiles_for_the_main_flex_kernel(name: str) -> None:
     enc = make(name)
-    reads_table = any(isinstance(f, TableForm) for m in enc.members for f in m.bias_gradient_forms() or [])
-    options = kernel_options(enc)
+    reads_table = any(member.score_mod_reads_table for member in enc.members)
+    if any(isinstance(f, TableForm) for m in enc.members for f in m.bias_gradient_forms() or []):
+        assert reads_table  # a learned table is read through an index: the declaration must say so
+    options = kernel_options(enc, torch.zeros(1, dtype=torch.bfloat16))
     assert (options is not None) == reads_table
+    assert kernel_options(enc, torch.zeros(1)) == FP32_KERNEL_OPTIONS  # fp32 tiles whatever the scheme
     if options is not None:
         blocks = [value for key, value in options.items() if "BLOCK" in key]
         assert all(128 % size == 0 for size in blocks)  # FlexAttention needs tiles dividing the mask's blocks
@@ -176,8 +179,11 @@ def test_kernel_options_reach_flex_attention(monkeypatch: pytest.MonkeyPatch) ->
         with torch.no_grad():
             get_backend("flex")(q, k, v, enc, pos, pos)
         get_backend("flex_learnable")(q, k, v, enc, pos, pos).sum().backward()  # CPU: lse and table via flex
-    assert len(calls) >= 4 and all(options == TABLE_KERNEL_OPTIONS for options in calls)
+    # fp32 queries on this machine: every call, forward and lse alike, carries the fp32 tiles
+    assert len(calls) >= 4 and all(options == FP32_KERNEL_OPTIONS for options in calls)
     calls.clear()
+    q16, k16, v16 = (t.detach().to(torch.bfloat16) for t in (q, k, v))
     with torch.no_grad():
-        get_backend("flex")(q, k, v, make("alibi"), pos, pos)
-    assert calls == [None]
+        get_backend("flex")(q16, k16, v16, make("t5"), pos, pos)
+        get_backend("flex")(q16, k16, v16, make("alibi"), pos, pos)
+    assert calls == [TABLE_KERNEL_OPTIONS, None]
