@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def line_figure(
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter(useOffset=False))  # 3, not 3×10^0
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set(xlabel=xlabel, ylabel=ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 80), fontsize=10)  # long protocol names would run off the figure
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
