@@ -40,6 +40,7 @@ LAYERS = {
     "bench_attention": 10,
     "bench": 11,
     "gpucheck": 11,
+    "gpusession": 11,  # runs gpucheck, the benchmark and the GPU sweep as subprocesses, bounded
     "lane": 11,  # the kernel lane: a tool over the attention backends, like the benchmark
     "train": 11,
     "": 12,  # the package itself: posenc/__init__.py
