@@ -25,6 +25,8 @@ ROWS = [
     ("unknown scheme", "train", ["+encoding=nosuch", *FAST], "Could not find 'encoding/nosuch'"),
     ("unknown scheme name", "train", [*TRAIN, "encoding.name=nosuch"], "unknown positional scheme 'nosuch'"),
     ("dim not divisible by heads", "train", [*TRAIN, "model.dim=100", "model.heads=3"], "not divisible by"),
+    ("unknown model init", "train", [*TRAIN, "model.init=xavier"], "model init must be one of gpt2, pytorch"),
+    ("pytorch init, tied head", "train", [*TRAIN, "model.init=pytorch"], "set model.tie_embeddings=false with it"),
     ("odd head_dim, rotary", "train", ["+encoding=rope", *FAST, "model.dim=72", "model.heads=8"], "is odd"),
     ("seq_len 0", "train", [*TRAIN, "data.seq_len=0"], "data.seq_len=0 must be a whole number ≥ 1"),
     ("seq_len negative", "train", [*TRAIN, "data.seq_len=-5"], "data.seq_len=-5 must be a whole number ≥ 1"),

@@ -7,6 +7,7 @@ import torch
 from conftest import RELATIVE_SCHEMES, SCHEMES
 
 from posenc.encodings import build
+from posenc.encodings.base import PositionalEncoding
 from posenc.encodings.stack import Stack
 from posenc.model import Decoder
 
@@ -196,3 +197,44 @@ def test_constrain_reaches_every_layer() -> None:
             enc.r1.fill_(-3.0)
     model.constrain_()
     assert all(torch.all(enc.r1 == 0.01) for enc in model.layer_encodings)
+
+
+def test_gpt2_init_sizes_the_backbone_and_ties_the_head() -> None:
+    model = Decoder("nope", vocab_size=256, dim=128, depth=4, heads=4)
+    assert model.head.weight is model.token_embedding.weight
+    assert model.token_embedding.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    residual = 0.02 / (2 * 4) ** 0.5  # GPT-2's residual projections, scaled by 1/√(2·depth)
+    assert model.blocks[1].attn.proj.weight.std().item() == pytest.approx(residual, rel=0.05)
+    assert model.blocks[1].mlp[-1].weight.std().item() == pytest.approx(residual, rel=0.05)
+
+
+def test_pytorch_init_keeps_module_defaults_with_an_untied_head() -> None:
+    model = Decoder("nope", vocab_size=256, dim=128, depth=4, heads=4, init="pytorch", tie_embeddings=False)
+    assert model.head.weight is not model.token_embedding.weight
+    assert model.token_embedding.weight.std().item() == pytest.approx(1.0, rel=0.05)  # nn.Embedding: N(0, 1)
+    for linear, fan_in in ((model.blocks[0].attn.qkv, 128), (model.blocks[1].mlp[-1], 512), (model.head, 128)):
+        weight = linear.weight
+        assert weight.abs().max().item() <= fan_in**-0.5  # nn.Linear: uniform in ±1/√fan_in
+        assert weight.std().item() == pytest.approx((3 * fan_in) ** -0.5, rel=0.05)
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_init_leaves_scheme_parameters_alone(name: str) -> None:
+    """Schemes initialise their own parameters: the backbone's init must not touch them."""
+    states = []
+    for init in ("gpt2", "pytorch"):
+        torch.manual_seed(0)
+        model = tiny(name, init=init, tie_embeddings=False)
+        schemes = [(n, m) for n, m in model.named_modules() if isinstance(m, PositionalEncoding)]
+        states.append({f"{n}.{k}": v for n, m in schemes for k, v in m.state_dict().items()})
+    assert states[0].keys() == states[1].keys()
+    for key, value in states[0].items():
+        torch.testing.assert_close(value, states[1][key], atol=0, rtol=0)
+
+
+def test_init_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match=r"model init must be one of gpt2, pytorch, got 'xavier'"):
+        tiny("nope", init="xavier")
+    with pytest.raises(ValueError, match=r"set model\.tie_embeddings=false with it"):
+        tiny("nope", init="pytorch")
