@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posenc.gpucheck import gpu_tests_verdict, parse_args, plan
+from posenc.gpu.check import gpu_tests_verdict, parse_args, plan
 
 
 def test_plan_covers_every_config_and_one_ddp_run(tmp_path: Path) -> None:

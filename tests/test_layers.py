@@ -39,8 +39,9 @@ LAYERS = {
     "bench_compare": 10,
     "bench_attention": 10,
     "bench": 11,
-    "gpucheck": 11,
-    "gpusession": 11,  # runs gpucheck, the benchmark and the GPU sweep as subprocesses, bounded
+    "gpu": 11,  # the GPU check and session: they run the training, the benchmark and pytest as subprocesses
+    "gpucheck": 12,  # entry points only: python -m posenc.gpucheck, python -m posenc.gpusession
+    "gpusession": 12,
     "lane": 11,  # the kernel lane: a tool over the attention backends, like the benchmark
     "train": 11,
     "": 12,  # the package itself: posenc/__init__.py
