@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import threading
 import time
 import warnings
@@ -19,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -83,6 +85,7 @@ class TokenAccounting(Callback):
         self.accounting: dict[str, int] = {}
         self.last_step, self.last_time, self.paused_at = 0, 0.0, None
         self.loop_seconds, self.loop_mark, self.loop_steps = 0.0, None, 0
+        self.loads: list[float] = []  # the machine's 1-minute load average at each logged step
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         data = trainer.datamodule
@@ -131,6 +134,23 @@ class TokenAccounting(Callback):
         # Through Lightning's logging, so these share the x-axis of train/loss; rank zero's values are logged.
         pl_module.log_dict({"train/tokens": float(step * tokens_per_step), "train/tokens_per_sec": rate})
         self.last_step, self.last_time = step, now
+        if hasattr(os, "getloadavg"):
+            self.loads.append(os.getloadavg()[0])
+
+    def conditions(self, device: torch.device) -> dict[str, Any]:
+        """What the throughput was measured under: a run's tokens/s compares with another's only when these match.
+
+        ``load_per_core`` is the median 1-minute load average over the logged steps, per core: near the run's own
+        threads over the cores when it had the machine to itself, higher when something else ran beside it.
+        """
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu × {os.cpu_count()}"
+        load = statistics.median(self.loads) / (os.cpu_count() or 1) if self.loads else None
+        return {
+            "device": name,
+            "threads": torch.get_num_threads(),
+            "load_per_core": load,
+            "load_samples": len(self.loads),
+        }
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.paused_at = time.perf_counter()
@@ -322,6 +342,7 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         "train_seconds": time.perf_counter() - started,
         "train_loop_seconds": accounting_callback.loop_seconds or None,
         "tokens_per_sec": accounting_callback.tokens_per_sec(steps),
+        "train_conditions": accounting_callback.conditions(module.device),
         "checkpoint": str(run_dir / CHECKPOINT),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
         "val_curve": curve.history if curve is not None else None,

@@ -9,12 +9,20 @@ its 95% Student-t interval over seeds as error bars. A run's throughput is the `
 end-of-training evaluation left out, since the evaluation's length is not the scheme's training cost). Runs written
 before that field existed fall back to tokens over ``train_seconds``, the wall time of the whole training call,
 evaluation included, which is slower.
+
+Each point is named by the legend beside the axes, keyed by a marker and colour that no other point shares: names
+written next to the points collide where most schemes sit near ratio 1. A throughput read from a run's own log is
+comparable with another's only when both ran under the same conditions: each run records its device, its threads
+and the machine's load while it trained (``train_conditions`` in ``run.json``), and where the columns' conditions
+differ the chart says so under its axes, naming them, rather than draw a difference in load as a difference in
+cost.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +32,73 @@ from posenc.report.perplexity import group_runs, protocol, suffix, value
 from posenc.runs import RUN_FILE
 
 REFERENCE = "nope"
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "p", "h", "d", "8", "H")
+# Load per core (the 1-minute load average over the cores) that two columns may differ by and still be read as run
+# under the same conditions: half a core busy with something else changes a CPU run's throughput visibly.
+LOAD_PER_CORE_TOLERANCE = 0.25
+
+
+def run_record(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's ``run.json``, ``None`` where it has none or it cannot be read."""
+    if not run.get("_source"):
+        return None
+    try:
+        return json.loads((Path(run_dir(run)) / RUN_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
 
 
 def throughput(run: dict[str, Any]) -> float | None:
     """Training tokens per second recorded by the run (``run.json``), ``None`` where it recorded none."""
-    if not run.get("_source"):
-        return None
-    try:
-        record = json.loads((Path(run_dir(run)) / RUN_FILE).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    record = run_record(run)
+    if record is None:
         return None
     if record.get("tokens_per_sec"):
         return float(record["tokens_per_sec"])
     tokens, seconds = record.get("tokens"), record.get("train_seconds")
     return float(tokens) / float(seconds) if tokens and seconds else None
+
+
+def conditions_note(by_label: Columns) -> str | None:
+    """One sentence naming how the columns' training conditions differ, or ``None`` when they match.
+
+    Compared: the device, the threads torch used, and the load per core while the run trained (median over a
+    column's runs). Runs that recorded no conditions are named as such.
+    """
+    seen: dict[str, dict[str, Any]] = {}
+    unknown = []
+    for label, runs in by_label.items():
+        recorded = [c for c in ((run_record(run) or {}).get("train_conditions") for run in runs) if c]
+        if not recorded:
+            unknown.append(label)
+            continue
+        loads = [c["load_per_core"] for c in recorded if c.get("load_per_core") is not None]
+        seen[label] = {
+            "device": sorted({c.get("device") for c in recorded}),
+            "threads": sorted({c.get("threads") for c in recorded}),
+            "load": statistics.median(loads) if loads else None,
+        }
+    differences = []
+    for field in ("device", "threads"):
+        if len({str(c[field]) for c in seen.values()}) > 1:
+            differences.append(
+                field + ": " + ", ".join(f"{label} {'/'.join(map(str, c[field]))}" for label, c in seen.items())
+            )
+    loads = {label: c["load"] for label, c in seen.items() if c["load"] is not None}
+    if loads and max(loads.values()) - min(loads.values()) > LOAD_PER_CORE_TOLERANCE:
+        calm = min(loads.values())
+        busier = sorted((label for label in loads if loads[label] > calm + LOAD_PER_CORE_TOLERANCE), key=loads.get)
+        rest = [loads[label] for label in loads if label not in busier]
+        differences.append(
+            "load per core while training: "
+            + ", ".join(f"{label} {loads[label]:.2f}" for label in reversed(busier))
+            + f"; the other columns {min(rest):.2f}–{max(rest):.2f}"
+        )
+    if unknown and seen:
+        differences.append("not recorded for " + ", ".join(unknown))
+    if not differences:
+        return None
+    return "throughput from each run's own log, under conditions that differ (" + "; ".join(differences) + ")"
 
 
 def cost_points(by_label: Columns) -> tuple[list[dict[str, Any]], str]:
@@ -99,21 +160,22 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
             include=(1.0, *ends),
             min_span=RATIO_MIN_SPAN,
         )
-        for line, point in zip(ax.get_lines(), points, strict=False):
+        colours = plt.get_cmap("tab10").colors
+        for index, (line, point) in enumerate(zip(ax.get_lines(), points, strict=False)):
+            # A marker and colour per point that no other point shares: the legend names each one.
+            colour = colours[index % len(colours)]
+            line.set(marker=MARKERS[index // len(colours) % len(MARKERS)], markersize=7, color=colour)
             error = [[point["half_width"] or 0.0], [point["half_width"] or 0.0]]
-            ax.errorbar([point["throughput"]], [point["ratio"]], yerr=error, color=line.get_color(), capsize=4)
-            # Each point named where it stands: with 16 schemes, colours alone cannot be matched to the legend.
-            ax.annotate(
-                point["label"],
-                (point["throughput"], point["ratio"]),
-                xytext=(5, 3),
-                textcoords="offset points",
-                fontsize=7,
-                color=line.get_color(),
-            )
+            ax.errorbar([point["throughput"]], [point["ratio"]], yerr=error, color=colour, capsize=4)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), numpoints=1)
+        note = conditions_note(by_label)
+        if note:
+            wrapped = textwrap.fill(note, 130)
+            fig.subplots_adjust(bottom=0.14 + 0.03 * wrapped.count("\n"))
+            fig.text(0.01, 0.005, wrapped, fontsize=7, color="firebrick", va="bottom")
         ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
         low, high = min(p["throughput"] for p in points), max(p["throughput"] for p in points)
-        ax.set_xlim(low - 0.05 * max(high - low, 0.2), high + 0.12 * max(high - low, 0.2))  # room for the names
+        ax.set_xlim(low - 0.05 * max(high - low, 0.2), high + 0.05 * max(high - low, 0.2))
         path = out_dir / f"cost_vs_extrapolation_{suffix(key)}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
