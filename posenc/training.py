@@ -147,6 +147,7 @@ class TokenAccounting(Callback):
         load = statistics.median(self.loads) / (os.cpu_count() or 1) if self.loads else None
         return {
             "device": name,
+            "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "load_per_core": load,
             "load_samples": len(self.loads),

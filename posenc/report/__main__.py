@@ -10,6 +10,7 @@ from pathlib import Path
 from posenc.report import __doc__ as about
 from posenc.report.build import build_report
 from posenc.report.collect import find_results, results_from_wandb
+from posenc.report.study import write_study
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -19,6 +20,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read run summaries from W&B instead")
     parser.add_argument("--group", help="with --wandb: only this W&B group (a sweep)")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--study",
+        metavar="NAME",
+        help="write the study document --out (docs/results/<NAME>.md), its runs' records kept beside it",
+    )
     parser.add_argument(
         "--include-unfinished",
         action="store_true",
@@ -57,6 +63,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"skipped unreadable {problem}", file=sys.stderr)
     if args.wandb:
         results += results_from_wandb(args.wandb, args.group)
+    if args.study:
+        if args.out is None or args.out.suffix != ".md" or args.wandb:
+            raise SystemExit("--study writes a document from run directories: give --out docs/results/<name>.md")
+        write_study(args.study, args.paths, args.out, make_plots=not args.no_plots)
+        print(f"wrote {args.out} and its records in {args.out.with_suffix('')}")
+        return
     first = Path(args.paths[0]) if args.paths else None
     out_dir = args.out or (first if first is not None and first.is_dir() else Path("report"))
     print(

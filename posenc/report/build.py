@@ -72,8 +72,9 @@ def build_report(
     include_unfinished: bool = False,
     paired: tuple[str, str] | None = None,
     thresholds: dict[str, float | None] | None = None,
+    write: bool = True,
 ) -> str:
-    """Write report.md (and plots) to ``out_dir``; return the markdown.
+    """Write report.md (and plots) to ``out_dir``; return the markdown (``write=False``: the plots only).
 
     Failed runs are listed apart and never counted. Unfinished runs (their weights stopped before
     ``trainer.max_steps``) are listed apart too, unless ``include_unfinished``: then they are columns of their
@@ -120,7 +121,8 @@ def build_report(
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
     sections += appendix.lines()
     markdown = "\n".join(sections).rstrip() + "\n"
-    (out_dir / "report.md").write_text(markdown)
+    if write:
+        (out_dir / "report.md").write_text(markdown)
     return markdown
 
 

@@ -1,0 +1,98 @@
+"""Results as documents that regenerate: every table in docs/results/ is one the report writes from the runs'
+records kept beside it, and writing the document again from those records gives the same tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from posenc.report.study import BEGIN, END, generated_block, write_study
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+DOCUMENTS = sorted(RESULTS.glob("*.md"))
+
+
+def _run(root: Path, label: str, seed: int, ppl: tuple[float, float], speed: float) -> None:
+    folder = root / f"{label}-L32-s{seed}"
+    rows = [
+        {"length": 32 * m, "mode": "nonoverlap", "stride": None, "tokens": 2048, "loss": math.log(p), "ppl": p,
+         "bpb": 1.0, "error": None, "multiple": m, "ratio": p / ppl[0]}
+        for m, p in zip((1, 2), ppl, strict=True)
+    ]  # fmt: skip
+    result = {"label": label, "train_len": 32, "seed": seed, "perplexity": rows, "loss_by_position": {}}
+    result |= {"eval": {"mode": "nonoverlap", "stride": None, "multiples": [1, 2]}, "run_name": folder.name}
+    result["training"] = {"steps": 10, "max_steps": 10, "finished": True}
+    (folder / "eval").mkdir(parents=True)
+    (folder / "eval" / "results.json").write_text(json.dumps(result))
+    conditions = {"device": "cpu × 2", "torch": "2.13.0+cpu", "threads": 2, "load_per_core": 0.9}
+    record = {"steps": 10, "tokens": 10 * speed, "train_seconds": 60.0, "tokens_per_sec": speed}
+    (folder / "run.json").write_text(json.dumps(record | {"train_conditions": conditions}))
+    done = {"run_name": folder.name, "finished_at": f"2026-11-26T10:0{seed}:00+0000", "steps": 10}
+    (folder / "done.json").write_text(json.dumps(done))
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+
+
+def _sweep(root: Path) -> Path:
+    for label, speed in (("nope", 1000.0), ("alibi", 900.0)):
+        for seed in range(2):
+            _run(root, label, seed, (10.0 + seed, 11.0 + 2 * seed if label == "nope" else 10.5 + seed), speed)
+    return root
+
+
+def test_a_study_document_regenerates_from_the_records_kept_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sweep = _sweep(Path("outputs/sweeps/repro"))
+    out = Path("docs/results/reproduction.md")
+    out.parent.mkdir(parents=True)
+    first = write_study("reproduction", [str(sweep)], out, make_plots=False)
+    assert first.startswith("# Reproduction: which scheme extrapolates\n")
+    assert "python -m posenc.train -m -cd sweeps -cn repro" in first
+    assert "| 4 | 2 | cpu × 2 | 2.13.0+cpu | 2 min (4 min) | 2026-11-26 |" in first  # runs, n, machine, torch, time
+    records = Path("docs/results/reproduction/runs")
+    kept = sorted(p.relative_to(records).as_posix() for p in records.rglob("*") if p.is_file())
+    assert "alibi-L32-s0/eval/results.json" in kept and "alibi-L32-s0/run.json" in kept
+    assert not any(name.endswith(".ckpt") for name in kept)  # records only, never weights
+    # Hand-written reading after the block survives; the block regenerates from the kept records alone.
+    out.write_text(out.read_text() + "\n## Reading\n\nA claim naming its table.\n")
+    shutil.rmtree("outputs")
+    second = write_study("reproduction", [str(records)], out, make_plots=False)
+    assert generated_block(second) == generated_block(first)
+    assert "| 32 | 1 |" in generated_block(second)  # the report's perplexity table is in the block
+    assert out.read_text().endswith("## Reading\n\nA claim naming its table.\n")
+
+
+def test_an_unknown_study_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="unknown study 'nosuch': choose from reproduction"):
+        write_study("nosuch", [str(_sweep(tmp_path / "runs"))], tmp_path / "x.md")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_every_results_document_is_written_by_the_report(
+    document: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = document.read_text()
+    assert BEGIN in text and END in text, f"{document.name} has no block written by posenc.report"
+    header = text.split(BEGIN, 1)[0]
+    tables = [line for line in header.splitlines() if line.startswith("|")]
+    assert len(tables) == 3 and tables[0].startswith("| runs |"), "only the runs' own record above the block"
+    after = text.split(END, 1)[1]
+    assert not any(line.startswith("|") for line in after.splitlines()), "a table typed by hand after the block"
+    name = document.stem
+    records = document.with_suffix("") / "runs"
+    assert records.is_dir(), f"{document.name}: its runs' records are not kept in {records}"
+    # Written again from its records, in a copy of the repository's layout, the block comes out the same.
+    monkeypatch.chdir(tmp_path)
+    copy = Path("docs/results") / name / "runs"
+    shutil.copytree(records, copy)
+    shutil.copyfile(document, Path("docs/results") / document.name)
+    again = write_study(name, [copy.as_posix()], Path("docs/results") / document.name, make_plots=False)
+    strip = [line for line in generated_block(text).splitlines() if not line.startswith("![")]
+    assert [line for line in generated_block(again).splitlines() if not line.startswith("![")] == strip
