@@ -37,3 +37,77 @@ def test_no_file_refers_to_what_is_not_the_project() -> None:
         if FORBIDDEN.search(line)
     ]
     assert not found, "\n".join(found)
+
+
+README = ROOT / "README.md"
+README_MAX_LINES = 400
+# [text](target) and ![alt](target); the target ends at the first space or closing parenthesis.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s[^)]*)?\)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks, where a bracket is markdown and not code."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line.strip()):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def anchor(heading: str) -> str:
+    """The anchor a markdown renderer gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    words = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return words.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {anchor(line.lstrip("#")) for line in prose(path.read_text()).splitlines() if line.startswith("#")}
+
+
+def markdown_files() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def test_readme_is_a_guide_of_at_most_400_lines() -> None:
+    count = len(README.read_text().splitlines())
+    assert count <= README_MAX_LINES, f"README.md has {count} lines; reference detail belongs in docs/guide/"
+
+
+def test_readme_opens_with_the_two_setup_commands() -> None:
+    """CI runs the README's first code block as its install and test commands: exactly these two."""
+    match = re.search(r"^```[a-z]*\n(.*?)^```", README.read_text(), re.MULTILINE | re.DOTALL)
+    assert match, "README.md has no code block"
+    commands = [line.strip() for line in match.group(1).splitlines() if line.strip() and not line.startswith("#")]
+    assert commands == ['pip install -e ".[dev]"', "pytest"]
+
+
+def test_every_relative_link_in_the_markdown_resolves() -> None:
+    """A link to a file or a heading that moved is caught here, not by a reader."""
+    broken = []
+    for path in markdown_files():
+        for target in LINK.findall(prose(path.read_text())):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            file_part, _, fragment = target.partition("#")
+            linked = (path.parent / file_part).resolve() if file_part else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_study_opens_with_its_provenance() -> None:
+    """A result the README cites says how to regenerate it and on what, before its first table."""
+    studies = sorted((ROOT / "docs" / "results").glob("*.md"))
+    assert studies, "docs/results/ holds no study"
+    for path in studies:
+        head = path.read_text().split("\n## ", 1)[0]
+        assert "```bash\n" in head, f"{path.name}: no command before its first section"
+        for field in ("**Machine**", "**torch**", "**Wall time**", "**n**", "**Date**"):
+            assert field in head, f"{path.name}: its header lacks {field}"
+        assert "\n## History\n" in path.read_text(), f"{path.name}: no History section"
