@@ -30,7 +30,8 @@ def test_contract_shapes(name: str) -> None:
     pos = torch.arange(10)
     q, k = torch.randn(2, HEADS, 10, HEAD_DIM), torch.randn(2, HEADS, 10, HEAD_DIM)
     q2, k2 = enc.rotate(q, k, pos, pos)
-    assert q2.shape == q.shape and k2.shape == k.shape
+    widened = (*q.shape[:-1], HEAD_DIM * enc.qk_width)  # v keeps the head width; q and k may widen (PoPE)
+    assert q2.shape == widened and k2.shape == widened
     x = torch.randn(2, 10, HEADS * HEAD_DIM)
     assert enc.embed(x, pos).shape == x.shape
     bias = enc.bias(pos, torch.arange(7))

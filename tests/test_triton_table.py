@@ -31,7 +31,12 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 
 HEADS, HEAD_DIM = 3, 16  # tl.dot needs a head dim of at least 16 (conftest's is 8)
 DISTANCE_SCHEMES = [name for name in SCHEMES if make(name).distance_only]
-NO_BIAS_SCHEMES = [name for name in SCHEMES if not make(name).adds_bias and not make(name).adds_content_bias]
+NO_BIAS_SCHEMES = [
+    name
+    for name in SCHEMES
+    if not make(name).adds_bias and not make(name).adds_content_bias and make(name).qk_width == 1
+]
+WIDENING_SCHEMES = [name for name in SCHEMES if make(name).qk_width != 1]  # q, k wider than v: one kernel width fails
 CONTENT_BIAS_SCHEMES = [name for name in SCHEMES if make(name).adds_content_bias]
 ALL_DISTANCE_BIASES = "+".join(DISTANCE_SCHEMES)  # every distance-only scheme in one stack
 
@@ -85,6 +90,15 @@ def test_refuses_content_dependent_biases_rather_than_dropping_them(name: str) -
     q, k, v = (torch.randn(1, HEADS, 16, HEAD_DIM, device=DEVICE) for _ in range(3))
     with pytest.raises(ValueError, match="content-dependent bias"):
         get_backend("triton")(q, k, v, make(name), pos, pos)
+
+
+@pytest.mark.parametrize("name", WIDENING_SCHEMES)
+def test_refuses_q_and_k_wider_than_v(name: str) -> None:
+    enc = make(name, heads=HEADS, head_dim=HEAD_DIM).to(DEVICE)
+    pos = torch.arange(16, device=DEVICE)
+    q, k = enc.rotate(*(torch.randn(1, HEADS, 16, HEAD_DIM, device=DEVICE) for _ in range(2)), pos, pos)
+    with pytest.raises(ValueError, match="one head width"):
+        get_backend("triton")(q, k, torch.randn(1, HEADS, 16, HEAD_DIM, device=DEVICE), enc, pos, pos)
 
 
 def test_table_gradient_is_every_distances_diagonal_sum() -> None:

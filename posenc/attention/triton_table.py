@@ -167,6 +167,11 @@ def check_supported(
             f"attention=triton needs a bias that depends on the distance i - j alone; {encoding.label}'s does not. "
             "Use attention=flex, sdpa or eager."
         )
+    if encoding.qk_width != 1:
+        raise ValueError(
+            f"attention=triton needs q, k and v of one head width, but {encoding.label} widens q and k to "
+            f"{encoding.qk_width}× the head; use attention=sdpa, flex or eager"
+        )
     if q.shape[-2] != k.shape[-2] or (q_pos is not k_pos and not torch.equal(q_pos, k_pos)):
         raise ValueError(
             "attention=triton handles self-attention over one window (Lq == Lk, q_pos == k_pos), not cached "

@@ -29,6 +29,11 @@ A content bias that reads the attention's own scaled scores (CoPE's gates, DAPE'
 ``reads_scores``: a backend that has computed q·kᵀ/√D passes them as ``scores`` rather than have the scheme compute
 them a second time.
 
+Every backend scales the scores by 1/√(width of the q it receives). A scheme whose ``rotate`` returns q and k wider
+than the head (``qk_width``: PoPE's polar form, twice the head) sets the temperature it intends inside ``rotate``
+(PoPE multiplies q by √2, so the backends' 1/√(2D) is its paper's 1/√D); v keeps the head width, and a backend
+whose kernel needs q, k and v of one width refuses such a scheme.
+
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
 the O(L²) matrix.
@@ -107,6 +112,9 @@ class PositionalEncoding(nn.Module):
     - ``score_mod_differentiable``: FlexAttention may differentiate ``score_mod`` with respect to its parameters.
     - ``score_mod_reads_table``: ``score_mod`` gathers from a table at a per-score index (smaller kernel tiles).
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
+    - ``qk_width``: ``rotate`` returns q and k of ``qk_width`` × ``head_dim`` channels (v keeps ``head_dim``).
+    - ``scales_with_length``: ``rotate`` multiplies q by a function of the number of keys each query sees (SSMax's
+      s · log n), so an evaluation-time length scaling (``eval.attention_scale``) would apply twice.
     """
 
     name: ClassVar[str] = "base"
@@ -124,6 +132,8 @@ class PositionalEncoding(nn.Module):
     # kernels then lay the gathered values out beside their tiles, which with torch's default tiles overflows a GPU's
     # shared memory; backends give such schemes smaller tiles (``attention/flex.py``, ``kernel_options``).
     score_mod_reads_table: ClassVar[bool] = False
+    qk_width: ClassVar[int] = 1
+    scales_with_length: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()

@@ -185,7 +185,7 @@ class RoPE(PositionalEncoding):
         if not 1 <= self.rotary_heads <= num_heads:
             raise ValueError(f"rope rotary_heads must be in 1..{num_heads} (the heads), got {rotary_heads}")
         inv_freq = self.base ** (-torch.arange(0, self.rotary_dims, 2, dtype=torch.float64) / self.rotary_dims)
-        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+        self.register_buffer("inv_freq", self.adjust_frequencies(inv_freq).to(torch.float32), persistent=False)
         self.attention_scale = 1.0
         self.scaling: tuple[str, float] | None = None
         self.dynamic: tuple[float, int] | None = None  # (s, L) under dynamic NTK, whose θ follow the sequence
@@ -203,9 +203,19 @@ class RoPE(PositionalEncoding):
             inv_freq, self.attention_scale = scaled_frequencies(
                 self.base, self.rotary_dims, method, float(factor), original_length
             )
+            inv_freq = self.adjust_frequencies(inv_freq)
             self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
         self.scaling = (method, float(factor))
         return True
+
+    def adjust_frequencies(self, theta: Tensor) -> Tensor:
+        """θ_i (r/2,) float64 as this variant uses them; RoPE itself keeps them. Variants override only this.
+
+        Every frequency the scheme rotates by passes through here: the trained ones, and those of an evaluation-time
+        scaling (after the scaling, so p-RoPE's and HoPE's still pairs stay still, and Resonance RoPE rounds the
+        scaled wavelengths as its authors' Resonance YaRN does).
+        """
+        return theta
 
     def frequencies(self, k_pos: Tensor) -> Tensor:
         """θ_i (r/2,) fp32 for a sequence whose keys sit at ``k_pos``; only dynamic NTK depends on them.
@@ -217,7 +227,8 @@ class RoPE(PositionalEncoding):
             return self.inv_freq
         factor, original_length = self.dynamic
         length = k_pos.max() + 1
-        return dynamic_ntk_frequencies(self.base, self.rotary_dims, factor, original_length, length).float()
+        theta = dynamic_ntk_frequencies(self.base, self.rotary_dims, factor, original_length, length)
+        return self.adjust_frequencies(theta).float()
 
     def angles(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Cos and sin (L, r/2) of position × frequency, in fp32."""
@@ -229,6 +240,11 @@ class RoPE(PositionalEncoding):
         return self._rotate(q, q_pos, inv_freq), self._rotate(k, k_pos, inv_freq)
 
     def _rotate(self, x: Tensor, pos: Tensor, inv_freq: Tensor) -> Tensor:
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"{self.name} rotates heads of {self.head_dim} channels but got {x.shape[-1]}: a scheme before it in "
+                "the stack changed the head width (pope); put that scheme last"
+            )
         heads = self.rotary_heads
         rotated = rope_rotate(x if heads == self.num_heads else x[:, :heads], pos, inv_freq, self.rotary_dims)
         if self.attention_scale != 1.0:  # YaRN's temperature, on every head so all logits share it

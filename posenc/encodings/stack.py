@@ -6,6 +6,8 @@ one object honouring the contract and never learn that it has several members.
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor, nn
 
 from posenc.encodings.base import BiasGradientForm, PositionalEncoding, ScoreMod
@@ -33,6 +35,8 @@ class Stack(PositionalEncoding):
         self.adds_content_bias = any(m.adds_content_bias for m in members)
         self.reads_scores = any(m.reads_scores for m in members)
         self.score_mod_differentiable = all(m.score_mod_differentiable for m in members)
+        self.qk_width = math.prod(m.qk_width for m in members)
+        self.scales_with_length = any(m.scales_with_length for m in members)
 
     @property
     def label(self) -> str:

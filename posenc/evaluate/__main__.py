@@ -123,8 +123,11 @@ def eval_dir_name(eval_cfg: dict[str, Any], trained_eval: dict[str, Any], task: 
         name = sliding_dir(fraction) if fraction is not None else f"eval_sliding_s{eval_cfg['stride']}"
     if eval_cfg.get("rope_scaling") is not None:  # its own directory: a scaled evaluation never overwrites the plain
         name += f"_{eval_cfg['rope_scaling']}x{float(eval_cfg['rope_scaling_factor']):g}"
+    if eval_cfg.get("attention_scale") is not None:  # likewise a length-scaled evaluation: eval_log_n
+        name += f"_{eval_cfg['attention_scale']}"
     asked, trained = experiment_settings(eval_cfg), experiment_settings(trained_eval)
-    named = ("mode", "stride", "stride_fraction", "rope_scaling", "rope_scaling_factor", *EVAL_RUNTIME, *idle)
+    named = ("mode", "stride", "stride_fraction", "rope_scaling", "rope_scaling_factor", "attention_scale")
+    named = (*named, *EVAL_RUNTIME, *idle)
     for key, value in asked.items():
         if key.split(".")[0] in named or trained.get(key) == value:
             continue

@@ -7,7 +7,8 @@ reads), ``perplexity.csv``, ``loss_by_position.csv``, task CSVs and plots.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch import nn
 
 from posenc.compiling import eager_blocks
 from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.ssmax import LengthScaling
+from posenc.encodings.stack import Stack
 from posenc.evaluate.attention_stats import attention_stats_by_length, attention_summary, stats_windows
 from posenc.evaluate.effective import RULES, both_rules
 from posenc.evaluate.heldout import heldout_perplexity
@@ -27,6 +30,7 @@ from posenc.evaluate.retrieval import evaluate_retrieval_tasks
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.evaluate.wandb_tables import log_results
 from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
+from posenc.runs.checks import ATTENTION_SCALES
 from posenc.runtime import precision_context
 
 __all__ = ["TASK_NAMES", "ExtrapolationEval", "evaluate_model", "print_results", "replace_outputs", "write_outputs"]
@@ -69,6 +73,39 @@ def apply_context_scaling(model: nn.Module, eval_cfg: dict[str, Any], run_info: 
     return {**run_info, "label": f"{run_info['label']} · {tag}", "rope_scaling": {"method": method, "factor": factor}}
 
 
+@contextmanager
+def attention_scaling(model: nn.Module, eval_cfg: dict[str, Any], run_info: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """While open, every layer's queries scaled by max(1, log n / log L_train) as ``eval.attention_scale`` asks.
+
+    ``log_n`` stacks ``LengthScaling`` (``posenc/encodings/ssmax.py``, which says why this form) on each layer's
+    scheme, for any scheme: a stack is a scheme, so backends, cached decoding and attention statistics see it like
+    any other. The layers get their own schemes back on exit, so the model's parameters and checkpoints never
+    change. Yields the run info the evaluation reports: the label names the scaling (``alibi · log_n``) and
+    ``attention_scale`` records it, as ``rope_scaling`` is recorded.
+    """
+    scale = eval_cfg.get("attention_scale")
+    if scale is None:
+        yield run_info
+        return
+    if scale not in ATTENTION_SCALES:
+        raise ValueError(f"eval.attention_scale={scale!r} must be null or one of {', '.join(ATTENTION_SCALES)}")
+    attentions = [block.attn for block in model.blocks]
+    if any(attention.encoding.scales_with_length for attention in attentions):
+        raise ValueError(
+            f"eval.attention_scale={scale} would scale {run_info['label']}'s scores by log n twice: it was trained "
+            "with a length scaling of its own (ssmax); leave eval.attention_scale null"
+        )
+    train_len, originals = int(run_info["train_len"]), [attention.encoding for attention in attentions]
+    try:
+        for attention, encoding in zip(attentions, originals, strict=True):
+            scaling = LengthScaling(encoding.num_heads, encoding.head_dim, train_len)
+            attention.encoding = Stack([encoding, scaling])
+        yield {**run_info, "label": f"{run_info['label']} · {scale}", "attention_scale": scale}
+    finally:
+        for attention, encoding in zip(attentions, originals, strict=True):
+            attention.encoding = encoding
+
+
 def evaluate_model(
     model: nn.Module,
     *,
@@ -88,8 +125,12 @@ def evaluate_model(
     one compilation per length for a single pass; the attention kernels stay compiled.
     """
     device = next(model.parameters()).device
-    with eager_blocks(model), precision_context(precision, device):
-        results = _evaluate(model, run_info, eval_cfg, stream, task)
+    with (
+        eager_blocks(model),
+        precision_context(precision, device),
+        attention_scaling(model, eval_cfg, run_info) as scaled_info,
+    ):
+        results = _evaluate(model, scaled_info, eval_cfg, stream, task)
     return {**results, "precision": precision}
 
 

@@ -37,6 +37,10 @@ RUNTIME_KEYS = (
     "eval.plots",
 )
 
+# Evaluation-time attention scalings (``eval.attention_scale``): log_n = max(1, log n / log L_train) on every query
+# (``posenc/encodings/ssmax.py``, ``LengthScaling``).
+ATTENTION_SCALES = ("log_n",)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # What a run is
@@ -123,6 +127,9 @@ def eval_problems(evaluation: Mapping[str, Any]) -> list[str]:
             problems.append(f"{key}={values} must be fractions of the evaluation length in (0, 1], e.g. 0.5")
     if evaluation.get("sample", "documents") not in ("documents", "head"):
         problems.append(f"eval.sample={evaluation['sample']!r} must be documents or head")
+    if evaluation.get("attention_scale") not in (None, *ATTENTION_SCALES):
+        scales = ", ".join(ATTENTION_SCALES)
+        problems.append(f"eval.attention_scale={evaluation['attention_scale']!r} must be null or one of {scales}")
     return problems
 
 
