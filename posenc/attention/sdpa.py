@@ -14,6 +14,10 @@ bias that varies along a row only through a per-key term (the scheme's ``key_bia
 (Lq × Lk) tensor: the term rides in one extra channel of q and k, and SDPA runs its fused kernel with a causal
 boolean mask (on CPU, in fp32 or fp64; the CUDA path keeps the dense bias, whose bf16 behaviour is the measured one).
 
+A scheme that replaces the softmax (``replaces_softmax``: stick-breaking) is not a softmax SDPA could run: sdpa hands
+it to the scheme's own ``attend`` (blocks of query rows, memory O(Lk) per row). sdpa is the CPU path and cached
+decoding's, so it takes such a scheme rather than refuse it; it never runs a softmax in its place.
+
 Every mask is handed over 4-D, (1, H, Lq, Lk) or (B, H, Lq, Lk): on CPU, SDPA sends a 3-D mask to its math kernel
 (scores materialised, a safe softmax) and a 4-D one to its flash kernel, several times faster; CUDA's
 memory-efficient kernel takes the same broadcastable 4-D mask.
@@ -95,6 +99,8 @@ def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: 
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
+    if encoding.replaces_softmax:
+        return encoding.attend(q, k, v, q_pos, k_pos)
     if encoding.adds_content_bias:
         if not encoding.adds_bias and q.dtype in FOLDED_DTYPES and not cuda_path(q):
             key_term = encoding.key_bias(k, k_pos)
