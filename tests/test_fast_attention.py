@@ -234,7 +234,7 @@ def test_flex_learnable_forward_matches_eager_for_every_scheme(name: str) -> Non
         return
     if enc.replaces_softmax:  # no softmax for a score_mod to modify: both flex backends refuse it
         for backend in ("flex", "flex_learnable"):
-            with pytest.raises(ValueError, match="runs softmax attention, which .* replaces"):
+            with pytest.raises(ValueError, match=r"runs softmax attention, which .* replaces"):
                 get_backend(backend)(q, k, v, enc, pos, pos)
         return
     with torch.no_grad():  # inputs that require grad, as in evaluation of a training model
