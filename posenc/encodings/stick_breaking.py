@@ -17,17 +17,20 @@ The weights W (A below the diagonal, the remainder on it) are therefore a distri
 softmax's: they are what attention maps and statistics read. Only which keys precede the query depends on
 positions, so the scheme is invariant to a shift of all positions and accepts any length.
 
-Everything is computed in log space in fp32 with the keys in reverse order (nearest first), so the inner sum is a
-plain cumulative sum, accumulated from the nearest key (where the weights are large and need the precision)
-outwards. ``attend`` takes blocks of query rows, each over the keys it may see: memory O(Lk) per query row, never
-O(Lq × Lk). Its backward recomputes each block and differentiates it by hand (no autograd graph is kept per block):
-with g_ij = W_ij · (dO_i · v_j) the gradient of log W_ij, and F_ij the g of the keys farther than j plus the
-remainder's,
+``attention_weights`` is the reference, computed as written above. ``attend`` takes blocks of query rows, each over
+the keys it may see (memory O(Lk) per query row, never O(Lq × Lk)), in fp32 log space with the keys nearest first,
+and uses log σ(z) = z + log σ(−z) to fold the two sums into one cumulative sum accumulated from the nearest key
+(where the weights are large and need the precision) outwards:
 
-    ∂L/∂z_ij = g_ij · σ(−z_ij) − σ(z_ij) · F_ij          for j < i,
+    log A_ij = z_ij + Σ_{j≤k<i} log σ(−z_ik),    log(1 − Σ_j A_ij) = Σ_{k<i} log σ(−z_ik).
 
-since z_ij enters log W_ij through log σ(z_ij) and every farther key's log W (and the remainder's) through
-log σ(−z_ij). On CUDA the same blocked path runs (no Triton kernel is provided: see docs/stick-breaking.md).
+Its backward recomputes each block and differentiates it by hand (no autograd graph is kept per block): with
+g_ij = A_ij · (dO_i · v_j), g_i = (1 − Σ_j A_ij) · (dO_i · v_i) the remainder's, and z_ij entering log A_ij once
+directly and through log σ(−z_ij) in every log A_ij' from j outward and in the remainder's,
+
+    ∂L/∂z_ij = g_ij − σ(z_ij) · (g_i + Σ_{j'≤j} g_ij')          for j < i (key j and every farther one).
+
+On CUDA the same blocked path runs: no Triton kernel is provided (docs/stick-breaking.md says why).
 """
 
 from __future__ import annotations
@@ -44,20 +47,6 @@ from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import full_precision
 
 BLOCK_ELEMENTS = 1 << 20  # (batch × heads × rows × keys) per block: ~7 fp32 temporaries of 4 MiB in the backward
-
-
-def log_weights(scores: Tensor, q_pos: Tensor, k_pos_nearest_first: Tensor) -> Tensor:
-    """The log-weights (..., Lq, Lk) from fp32 scaled scores whose keys come in decreasing position order.
-
-    Entries for keys after the query are −inf; the query's own key holds the log of the stick no key took.
-    """
-    before = k_pos_nearest_first[None, :] < q_pos[:, None]  # (Lq, Lk): the keys query i breaks its stick over
-    own = k_pos_nearest_first[None, :] == q_pos[:, None]
-    log_rest = F.logsigmoid(-scores).masked_fill(~before, 0.0)  # log(1 − β_ik), 0 where k does not precede i
-    left = log_rest.cumsum(-1)  # Σ over k from the nearest key to k = j inclusive: the stick left after j
-    log_a = F.logsigmoid(scores) + (left - log_rest)  # log β_ij + Σ_{j<k<i} log(1 − β_ik)
-    remainder = left[..., -1:]  # Σ over every preceding key (the rest are 0): the stick no key took
-    return torch.where(before, log_a, torch.where(own, remainder, float("-inf")))
 
 
 def _precision(q: Tensor) -> torch.dtype:
@@ -79,8 +68,19 @@ def _blocks(length: int, rows: int, keys: int, self_attention: bool) -> list[tup
     return blocks
 
 
+def _block(q: Tensor, k_near: Tensor, q_pos: Tensor, k_pos_near: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's scores z (−∞ on keys that do not precede the query), log A, and the log of the remainder.
+
+    Keys come nearest first, so a cumulative sum over them is Σ from the nearest key out to j.
+    """
+    scores = torch.matmul(q, k_near.transpose(-1, -2)).mul_(scale)  # (B, H, rows, keys)
+    scores = scores.masked_fill_(k_pos_near[None, :] >= q_pos[:, None], float("-inf"))
+    left = F.logsigmoid(-scores).cumsum_(-1)  # Σ_{j≤k<i} log σ(−z_ik): 0 where z = −∞
+    return scores, scores + left, left[..., -1]
+
+
 class _StickBreakingAttention(torch.autograd.Function):
-    """o = W · v block by block; the backward recomputes each block's W and differentiates it by hand."""
+    """o = A · v + remainder · v_own, block by block; the backward recomputes each block and differentiates by hand."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_pos: Tensor, rows: int) -> Tensor:
@@ -98,11 +98,13 @@ def _forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_
     q_pos = k_pos if q_pos is None else q_pos
     scale, fp = q.shape[-1] ** -0.5, _precision(q)
     k_near, v_near, pos_near = k.to(fp).flip(-2), v.to(fp).flip(-2), k_pos.flip(0)  # nearest key first
+    v_own = v.to(fp).index_select(-2, torch.searchsorted(k_pos, q_pos))  # (B, H, Lq, D): each query's own value
     out = []
     for start, end, keys in _blocks(q.shape[-2], rows, k.shape[-2], self_attention):
-        scores = torch.matmul(q[:, :, start:end].to(fp), k_near[:, :, keys].transpose(-1, -2)) * scale
-        weights = log_weights(scores, q_pos[start:end], pos_near[keys]).exp_()  # (B, H, rows, keys)
-        out.append(torch.matmul(weights, v_near[:, :, keys]))
+        _, log_sticks, log_rest = _block(q[:, :, start:end].to(fp), k_near[:, :, keys], q_pos[start:end],
+                                         pos_near[keys], scale)  # fmt: skip
+        block = torch.matmul(log_sticks.exp_(), v_near[:, :, keys])
+        out.append(block.addcmul_(log_rest.exp()[..., None], v_own[:, :, start:end]))
     ctx.save_for_backward(q, k, v, k_pos, *([] if self_attention else [q_pos]))
     ctx.rows, ctx.self_attention = rows, self_attention
     return torch.cat(out, dim=-2).to(v.dtype)
@@ -114,23 +116,26 @@ def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     q_pos = query_positions[0] if query_positions else k_pos
     scale, fp = q.shape[-1] ** -0.5, _precision(q)
     k_near, v_near, pos_near = k.to(fp).flip(-2), v.to(fp).flip(-2), k_pos.flip(0)
+    own = torch.searchsorted(k_pos, q_pos)
+    v_own, dout = v.to(fp).index_select(-2, own), dout.to(fp)
     dq = torch.empty(q.shape, dtype=fp, device=q.device)
     dk_near, dv_near = torch.zeros_like(k_near), torch.zeros_like(v_near)
+    rest = torch.empty(dout.shape[:-1], dtype=fp, device=q.device)  # (B, H, Lq): each query's remainder
     for start, end, keys in _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.self_attention):
-        q_block, dout_block = q[:, :, start:end].to(fp), dout[:, :, start:end].to(fp)
-        scores = torch.matmul(q_block, k_near[:, :, keys].transpose(-1, -2)) * scale
-        before = pos_near[keys][None, :] < q_pos[start:end, None]
-        weights = log_weights(scores, q_pos[start:end], pos_near[keys]).exp_()
-        dv_near[:, :, keys] += torch.matmul(weights.transpose(-1, -2), dout_block)
-        grad_log = weights * torch.matmul(dout_block, v_near[:, :, keys].transpose(-1, -2))  # g (B, H, rows, keys)
-        # F_ij: the row's total g (the remainder's on the own key, and every preceding key's) less the preceding keys
-        # from the nearest to j inclusive.
-        farther = grad_log.sum(-1, keepdim=True) - grad_log.masked_fill(~before, 0.0).cumsum(-1)
-        dscores = grad_log * torch.sigmoid(-scores) - torch.sigmoid(scores) * farther
-        dscores = dscores.masked_fill_(~before, 0.0).mul_(scale)
+        q_block, dout_block = q[:, :, start:end].to(fp), dout[:, :, start:end]
+        scores, log_sticks, log_rest = _block(q_block, k_near[:, :, keys], q_pos[start:end], pos_near[keys], scale)
+        sticks = log_sticks.exp_()  # A (B, H, rows, keys), 0 off the preceding keys
+        rest[:, :, start:end] = log_rest.exp()
+        dv_near[:, :, keys] += torch.matmul(sticks.transpose(-1, -2), dout_block)
+        grad = torch.matmul(dout_block, v_near[:, :, keys].transpose(-1, -2)).mul_(sticks)  # g_ij
+        grad_rest = rest[:, :, start:end] * (dout_block * v_own[:, :, start:end]).sum(-1)  # g_i
+        # g_i + Σ_{j'≤j} g_ij': the keys from j outward are the columns from j on (the row's total less those nearer).
+        outward = grad.sum(-1, keepdim=True).add_(grad_rest[..., None]).sub(grad.cumsum(-1)).add_(grad)
+        dscores = torch.sigmoid(scores).mul_(outward).neg_().add_(grad).mul_(scale)  # σ(−∞) = 0 off the keys
         dq[:, :, start:end] = torch.matmul(dscores, k_near[:, :, keys])
         dk_near[:, :, keys] += torch.matmul(dscores.transpose(-1, -2), q_block)
-    return dq.to(q.dtype), dk_near.flip(-2).to(k.dtype), dv_near.flip(-2).to(v.dtype)
+    dv = dv_near.flip(-2).index_add_(-2, own, rest[..., None] * dout)
+    return dq.to(q.dtype), dk_near.flip(-2).to(k.dtype), dv.to(v.dtype)
 
 
 def stick_breaking_attention(
@@ -156,8 +161,15 @@ class StickBreaking(PositionalEncoding):
     @full_precision
     def attention_weights(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         fp = _precision(q)
-        scores = torch.einsum("bhqd,bhkd->bhqk", q.to(fp), k.to(fp).flip(-2)) / math.sqrt(q.shape[-1])
-        return log_weights(scores, q_pos, k_pos.flip(0)).exp().flip(-1)  # back to increasing key positions
+        scores = torch.einsum("bhqd,bhkd->bhqk", q.to(fp), k.to(fp)) / math.sqrt(q.shape[-1])  # z (B, H, Lq, Lk)
+        before = k_pos[None, :] < q_pos[:, None]  # the keys query i breaks its stick over
+        log_rest = F.logsigmoid(-scores).masked_fill(~before, 0.0)  # log(1 − β_ik) on them
+        between = log_rest.flip(-1).cumsum(-1).flip(-1) - log_rest  # Σ_{j<k<i} log(1 − β_ik)
+        sticks = (F.logsigmoid(scores) + between).masked_fill(~before, float("-inf")).exp()  # A_ij
+        # The stick left, Π_{k<i} (1 − β_ik): the reference code's 1 − Σ_j A_ij (telescoping), which in floating
+        # point could round below 0 (and an entropy of it to −∞).
+        remainder = log_rest.sum(-1, keepdim=True).exp()
+        return sticks + (k_pos[None, :] == q_pos[:, None]) * remainder  # on the query's own key
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return stick_breaking_attention(q, k, v, q_pos, k_pos)
