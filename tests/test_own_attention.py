@@ -68,6 +68,24 @@ def test_blocked_path_matches_the_dense_reference_values_and_gradients(name: str
         torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [8.0, 40.0])
+def test_large_scores_stay_finite_and_match_the_reference(scale: float) -> None:
+    # Scores of hundreds: sticks taken whole (σ(−z) underflows), products that underflow; no inf or NaN anywhere.
+    enc = make("stick_breaking")
+    pos = torch.arange(50)
+    grads = []
+    for attend in (_dense, lambda q, k, v, enc, q_pos, k_pos: enc.attend(q, k, v, q_pos, k_pos)):
+        torch.manual_seed(3)
+        q, k, v = (torch.randn(2, HEADS, 50, HEAD_DIM) for _ in range(3))
+        q, k = (t.mul(scale).requires_grad_() for t in (q, k))
+        out = attend(q, k, v, enc, pos, pos)
+        (out * torch.randn(out.shape)).sum().backward()
+        grads.append([out.detach(), q.grad, k.grad])
+    for value, reference in zip(*grads, strict=True):
+        assert torch.isfinite(value).all()
+        torch.testing.assert_close(value, reference, atol=1e-4 * max(1.0, reference.abs().max().item()), rtol=1e-3)
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_every_backend_auto_may_choose_runs_the_schemes_own_attention(name: str) -> None:
     enc = make(name)

@@ -17,20 +17,25 @@ The weights W (A below the diagonal, the remainder on it) are therefore a distri
 softmax's: they are what attention maps and statistics read. Only which keys precede the query depends on
 positions, so the scheme is invariant to a shift of all positions and accepts any length.
 
-``attention_weights`` is the reference, computed as written above. ``attend`` takes blocks of query rows, each over
-the keys it may see (memory O(Lk) per query row, never O(Lq × Lk)), in fp32 log space with the keys nearest first,
-and uses log σ(z) = z + log σ(−z) to fold the two sums into one cumulative sum accumulated from the nearest key
-(where the weights are large and need the precision) outwards:
+``attention_weights`` is the reference, computed as written above in log space. ``attend`` takes blocks of query
+rows, each over the keys it may see (memory O(Lk) per query row, never O(Lq × Lk)), in fp32 with the keys nearest
+first, as the stick is broken: with s_ij = σ(−z_ij) = 1 − β_ij (1 on the keys that do not precede i) and
+P_ij = Π_{j<k<i} s_ik the stick left when key j breaks it, a cumulative product from the nearest key outwards,
 
-    log A_ij = z_ij + Σ_{j≤k<i} log σ(−z_ik),    log(1 − Σ_j A_ij) = Σ_{k<i} log σ(−z_ik).
+    A_ij = (1 − s_ij) · P_ij,    1 − Σ_j A_ij = Π_{k<i} s_ik.
+
+One sigmoid and one cumulative product per score, where the log form costs a log-sigmoid and an exp (three
+transcendentals): three times faster on a CPU (docs/stick-breaking.md). The product only falls, and once it
+underflows the stick is used up: every later weight is below fp32's smallest number in either form.
 
 Its backward recomputes each block and differentiates it by hand (no autograd graph is kept per block): with
-g_ij = A_ij · (dO_i · v_j), g_i = (1 − Σ_j A_ij) · (dO_i · v_i) the remainder's, and z_ij entering log A_ij once
-directly and through log σ(−z_ij) in every log A_ij' from j outward and in the remainder's,
+g_ij = A_ij · (dO_i · v_j), g_i = (1 − Σ_j A_ij) · (dO_i · v_i) the remainder's, and F_ij = g_i + Σ_{j'<j} g_ij'
+(the remainder and the keys farther than j, whose sticks s_ij shortened),
 
-    ∂L/∂z_ij = g_ij − σ(z_ij) · (g_i + Σ_{j'≤j} g_ij')          for j < i (key j and every farther one).
+    ∂L/∂z_ij = g_ij · s_ij − (1 − s_ij) · F_ij          for j < i,
 
-On CUDA the same blocked path runs: no Triton kernel is provided (docs/stick-breaking.md says why).
+since ∂s/∂z = −s(1 − s). On CUDA the same blocked path runs: no Triton kernel is provided (docs/stick-breaking.md
+says why).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import full_precision
 
-BLOCK_ELEMENTS = 1 << 20  # (batch × heads × rows × keys) per block: ~7 fp32 temporaries of 4 MiB in the backward
+# Scores per block: 1 MiB fp32 temporaries on a CPU (its cache), far more on a GPU.
+BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
 
 
 def _precision(q: Tensor) -> torch.dtype:
@@ -54,8 +60,13 @@ def _precision(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def block_rows(batch_heads: int, keys: int, elements: int = BLOCK_ELEMENTS) -> int:
-    """Query rows per block so that one (batch × heads × rows × keys) temporary holds about ``elements``."""
+def block_rows(batch_heads: int, keys: int, device: torch.device) -> int:
+    """Query rows per block so that one (batch × heads × rows × keys) temporary holds ``BLOCK_ELEMENTS`` scores.
+
+    On a CPU, blocks that fit its cache ran fastest (32-64 rows of 2,048 keys for 4 heads, measured); on a GPU, a
+    block must be large enough to fill the device (unmeasured: no GPU was at hand).
+    """
+    elements = BLOCK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
     return max(1, elements // max(1, batch_heads * keys))
 
 
@@ -69,14 +80,16 @@ def _blocks(length: int, rows: int, keys: int, self_attention: bool) -> list[tup
 
 
 def _block(q: Tensor, k_near: Tensor, q_pos: Tensor, k_pos_near: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """One block's scores z (−∞ on keys that do not precede the query), log A, and the log of the remainder.
+    """One block's s = σ(−z) (1 on keys that do not precede the query), sticks A, and remainder (B, H, rows).
 
-    Keys come nearest first, so a cumulative sum over them is Σ from the nearest key out to j.
+    Keys come nearest first, so a cumulative product over them runs from the nearest key outwards.
     """
-    scores = torch.matmul(q, k_near.transpose(-1, -2)).mul_(scale)  # (B, H, rows, keys)
+    scores = torch.matmul(q, k_near.transpose(-1, -2)).mul_(scale)  # z (B, H, rows, keys)
     scores = scores.masked_fill_(k_pos_near[None, :] >= q_pos[:, None], float("-inf"))
-    left = F.logsigmoid(-scores).cumsum_(-1)  # Σ_{j≤k<i} log σ(−z_ik): 0 where z = −∞
-    return scores, scores + left, left[..., -1]
+    rest = torch.sigmoid(scores.neg_())  # s = σ(−z) = 1 − β
+    left = F.pad(rest[..., :-1], (1, 0), value=1.0).cumprod_(-1)  # P_ij: the stick left when key j breaks it
+    remainder = left[..., -1] * rest[..., -1]  # what no key took
+    return rest, left.addcmul_(left, rest, value=-1.0), remainder  # A = P · (1 − s)
 
 
 class _StickBreakingAttention(torch.autograd.Function):
@@ -101,10 +114,10 @@ def _forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_
     v_own = v.to(fp).index_select(-2, torch.searchsorted(k_pos, q_pos))  # (B, H, Lq, D): each query's own value
     out = []
     for start, end, keys in _blocks(q.shape[-2], rows, k.shape[-2], self_attention):
-        _, log_sticks, log_rest = _block(q[:, :, start:end].to(fp), k_near[:, :, keys], q_pos[start:end],
-                                         pos_near[keys], scale)  # fmt: skip
-        block = torch.matmul(log_sticks.exp_(), v_near[:, :, keys])
-        out.append(block.addcmul_(log_rest.exp()[..., None], v_own[:, :, start:end]))
+        _, sticks, remainder = _block(q[:, :, start:end].to(fp), k_near[:, :, keys], q_pos[start:end],
+                                      pos_near[keys], scale)  # fmt: skip
+        block = torch.matmul(sticks, v_near[:, :, keys])
+        out.append(block.addcmul_(remainder[..., None], v_own[:, :, start:end]))
     ctx.save_for_backward(q, k, v, k_pos, *([] if self_attention else [q_pos]))
     ctx.rows, ctx.self_attention = rows, self_attention
     return torch.cat(out, dim=-2).to(v.dtype)
@@ -120,21 +133,20 @@ def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     v_own, dout = v.to(fp).index_select(-2, own), dout.to(fp)
     dq = torch.empty(q.shape, dtype=fp, device=q.device)
     dk_near, dv_near = torch.zeros_like(k_near), torch.zeros_like(v_near)
-    rest = torch.empty(dout.shape[:-1], dtype=fp, device=q.device)  # (B, H, Lq): each query's remainder
+    remainders = torch.empty(dout.shape[:-1], dtype=fp, device=q.device)  # (B, H, Lq)
     for start, end, keys in _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.self_attention):
         q_block, dout_block = q[:, :, start:end].to(fp), dout[:, :, start:end]
-        scores, log_sticks, log_rest = _block(q_block, k_near[:, :, keys], q_pos[start:end], pos_near[keys], scale)
-        sticks = log_sticks.exp_()  # A (B, H, rows, keys), 0 off the preceding keys
-        rest[:, :, start:end] = log_rest.exp()
+        rest, sticks, remainder = _block(q_block, k_near[:, :, keys], q_pos[start:end], pos_near[keys], scale)
+        remainders[:, :, start:end] = remainder
         dv_near[:, :, keys] += torch.matmul(sticks.transpose(-1, -2), dout_block)
         grad = torch.matmul(dout_block, v_near[:, :, keys].transpose(-1, -2)).mul_(sticks)  # g_ij
-        grad_rest = rest[:, :, start:end] * (dout_block * v_own[:, :, start:end]).sum(-1)  # g_i
-        # g_i + Σ_{j'≤j} g_ij': the keys from j outward are the columns from j on (the row's total less those nearer).
-        outward = grad.sum(-1, keepdim=True).add_(grad_rest[..., None]).sub(grad.cumsum(-1)).add_(grad)
-        dscores = torch.sigmoid(scores).mul_(outward).neg_().add_(grad).mul_(scale)  # σ(−∞) = 0 off the keys
+        grad_rest = remainder * (dout_block * v_own[:, :, start:end]).sum(-1)  # g_i
+        # F_ij = g_i + the g of the keys farther than j: the row's total less the keys from the nearest to j.
+        farther = (grad.sum(-1) + grad_rest)[..., None] - grad.cumsum(-1)
+        dscores = grad.add_(farther).mul_(rest).sub_(farther).mul_(scale)  # (g + F) s − F; 0 where s = 1, g = 0
         dq[:, :, start:end] = torch.matmul(dscores, k_near[:, :, keys])
         dk_near[:, :, keys] += torch.matmul(dscores.transpose(-1, -2), q_block)
-    dv = dv_near.flip(-2).index_add_(-2, own, rest[..., None] * dout)
+    dv = dv_near.flip(-2).index_add_(-2, own, remainders[..., None] * dout)
     return dq.to(q.dtype), dk_near.flip(-2).to(k.dtype), dv.to(v.dtype)
 
 
@@ -144,10 +156,10 @@ def stick_breaking_attention(
     """Stick-breaking attention (B, H, Lq, D) of q (B, H, Lq, D) over k, v (B, H, Lk, D), ``rows`` queries a block.
 
     Keys come in increasing position order and include each query's own position (self-attention, or new queries
-    over every cached key). ``rows`` defaults to a block of about ``BLOCK_ELEMENTS`` scores.
+    over every cached key). ``rows`` defaults to a block of ``BLOCK_ELEMENTS`` scores for the device.
     """
     batch, heads, _, _ = q.shape
-    rows = rows or block_rows(batch * heads, k.shape[-2])
+    rows = rows or block_rows(batch * heads, k.shape[-2], q.device)
     return _StickBreakingAttention.apply(q, k, v, None if q_pos is k_pos else q_pos, k_pos, rows)
 
 
