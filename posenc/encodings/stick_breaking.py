@@ -70,23 +70,34 @@ def block_rows(batch_heads: int, keys: int, device: torch.device) -> int:
     return max(1, elements // max(1, batch_heads * keys))
 
 
-def _blocks(length: int, rows: int, keys: int, self_attention: bool) -> list[tuple[int, int, slice]]:
-    """(first row, end row, keys in nearest-first order) per block; with shared positions a block sees keys < end."""
+def _blocks(length: int, rows: int, keys: int, self_attention: bool) -> list[tuple[int, int, slice, int]]:
+    """(first row, end row, keys in nearest-first order, leading keys that may not precede a row) per block.
+
+    With shared positions a block sees keys < end, and only its first ``end - start`` (its own rows' keys) can be
+    at or after one of its queries; over cached keys every key may be.
+    """
     blocks = []
     for start in range(0, length, rows):
         end = min(start + rows, length)
-        blocks.append((start, end, slice(keys - end, keys) if self_attention else slice(None)))
+        if self_attention:
+            blocks.append((start, end, slice(keys - end, keys), end - start))
+        else:
+            blocks.append((start, end, slice(None), keys))
     return blocks
 
 
-def _block(q: Tensor, k_near: Tensor, q_pos: Tensor, k_pos_near: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _block(
+    q_neg: Tensor, k_near: Tensor, q_pos: Tensor, k_pos_near: Tensor, leading: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """One block's s = σ(−z) (1 on keys that do not precede the query), sticks A, and remainder (B, H, rows).
 
-    Keys come nearest first, so a cumulative product over them runs from the nearest key outwards.
+    ``q_neg`` holds the queries times −1/√D, so that q_neg · k = −z. Keys come nearest first, so a cumulative
+    product over them runs from the nearest key outwards.
     """
-    scores = torch.matmul(q, k_near.transpose(-1, -2)).mul_(scale)  # z (B, H, rows, keys)
-    scores = scores.masked_fill_(k_pos_near[None, :] >= q_pos[:, None], float("-inf"))
-    rest = torch.sigmoid(scores.neg_())  # s = σ(−z) = 1 − β
+    rest = torch.matmul(q_neg, k_near.transpose(-1, -2))  # −z (B, H, rows, keys)
+    # Keys at or after the query get −z = +∞, so s = 1: they break nothing off the stick.
+    rest[..., :leading].masked_fill_(k_pos_near[None, :leading] >= q_pos[:, None], float("inf"))
+    rest = rest.sigmoid_()  # s = σ(−z) = 1 − β
     left = F.pad(rest[..., :-1], (1, 0), value=1.0).cumprod_(-1)  # P_ij: the stick left when key j breaks it
     remainder = left[..., -1] * rest[..., -1]  # what no key took
     return rest, left.addcmul_(left, rest, value=-1.0), remainder  # A = P · (1 − s)
@@ -112,10 +123,11 @@ def _forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_
     scale, fp = q.shape[-1] ** -0.5, _precision(q)
     k_near, v_near, pos_near = k.to(fp).flip(-2), v.to(fp).flip(-2), k_pos.flip(0)  # nearest key first
     v_own = v.to(fp).index_select(-2, torch.searchsorted(k_pos, q_pos))  # (B, H, Lq, D): each query's own value
+    q_neg = q.to(fp) * -scale
     out = []
-    for start, end, keys in _blocks(q.shape[-2], rows, k.shape[-2], self_attention):
-        _, sticks, remainder = _block(q[:, :, start:end].to(fp), k_near[:, :, keys], q_pos[start:end],
-                                      pos_near[keys], scale)  # fmt: skip
+    for start, end, keys, leading in _blocks(q.shape[-2], rows, k.shape[-2], self_attention):
+        _, sticks, remainder = _block(q_neg[:, :, start:end], k_near[:, :, keys], q_pos[start:end], pos_near[keys],
+                                      leading)  # fmt: skip
         block = torch.matmul(sticks, v_near[:, :, keys])
         out.append(block.addcmul_(remainder[..., None], v_own[:, :, start:end]))
     ctx.save_for_backward(q, k, v, k_pos, *([] if self_attention else [q_pos]))
@@ -134,9 +146,12 @@ def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     dq = torch.empty(q.shape, dtype=fp, device=q.device)
     dk_near, dv_near = torch.zeros_like(k_near), torch.zeros_like(v_near)
     remainders = torch.empty(dout.shape[:-1], dtype=fp, device=q.device)  # (B, H, Lq)
-    for start, end, keys in _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.self_attention):
-        q_block, dout_block = q[:, :, start:end].to(fp), dout[:, :, start:end]
-        rest, sticks, remainder = _block(q_block, k_near[:, :, keys], q_pos[start:end], pos_near[keys], scale)
+    q_fp = q.to(fp)
+    q_neg = q_fp * -scale
+    for start, end, keys, leading in _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.self_attention):
+        q_block, dout_block = q_fp[:, :, start:end], dout[:, :, start:end]
+        rest, sticks, remainder = _block(q_neg[:, :, start:end], k_near[:, :, keys], q_pos[start:end],
+                                         pos_near[keys], leading)  # fmt: skip
         remainders[:, :, start:end] = remainder
         dv_near[:, :, keys] += torch.matmul(sticks.transpose(-1, -2), dout_block)
         grad = torch.matmul(dout_block, v_near[:, :, keys].transpose(-1, -2)).mul_(sticks)  # g_ij
