@@ -25,8 +25,8 @@ P_ij = Π_{j<k<i} s_ik the stick left when key j breaks it, a cumulative product
     A_ij = (1 − s_ij) · P_ij,    1 − Σ_j A_ij = Π_{k<i} s_ik.
 
 One sigmoid and one cumulative product per score, where the log form costs a log-sigmoid and an exp (three
-transcendentals): three times faster on a CPU (docs/stick-breaking.md). The product only falls, and once it
-underflows the stick is used up: every later weight is below fp32's smallest number in either form.
+transcendentals against one): about three times faster on a CPU (docs/stick-breaking.md). The product only
+falls, and once it underflows the stick is used up: every later weight is below fp32's smallest number either way.
 
 Its backward recomputes each block and differentiates it by hand (no autograd graph is kept per block): with
 g_ij = A_ij · (dO_i · v_j), g_i = (1 − Σ_j A_ij) · (dO_i · v_i) the remainder's, and F_ij = g_i + Σ_{j'<j} g_ij'
