@@ -121,8 +121,10 @@ def attention_call(
     references, for NoPE only).
     """
     if backend in SDPA_KERNELS:
-        if encoding.adds_bias or encoding.adds_content_bias or encoding.rotates:
-            raise ValueError(f"{backend} is a reference without a bias or rotation; {encoding.name} has one")
+        if encoding.adds_bias or encoding.adds_content_bias or encoding.rotates or encoding.replaces_softmax:
+            raise ValueError(
+                f"{backend} is a reference without a bias or rotation (a plain softmax); {encoding.name} is not"
+            )
         kernel = SDPA_KERNELS[backend]
 
         def reference() -> torch.Tensor:

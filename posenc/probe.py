@@ -2,9 +2,9 @@
 
 Hooks on each layer's attention read its input during an ordinary forward and recompute q and k through the
 layer's own ``project`` (the same rotation the layer applies); probabilities come from the dense reference
-(``attention_weights``: rotate, bias through the contract, causal softmax), so they are what every backend is
-tested to compute, whatever backend the model runs. Compiled blocks run uncompiled here (``eager_modules``), so
-the hooks fire, while the attention inside keeps its compiled kernels.
+(``attention_weights``: rotate, bias through the contract, causal softmax; or the weights of a scheme that replaces
+the softmax), so they are what every backend is tested to compute, whatever backend the model runs. Compiled blocks
+run uncompiled here (``eager_modules``), so the hooks fire, while the attention inside keeps its compiled kernels.
 """
 
 from __future__ import annotations

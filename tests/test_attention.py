@@ -33,6 +33,10 @@ def test_backend_matches_eager_fp32(name: str, backend: str) -> None:
         with pytest.raises(ValueError, match="content-dependent bias"):
             get_backend(backend)(q, k, v, enc, pos, pos)
         return
+    if enc.replaces_softmax and backend == "flex":  # a softmax kernel cannot run it: refused, never substituted
+        with pytest.raises(ValueError, match=r"runs softmax attention, which .* replaces"):
+            get_backend(backend)(q, k, v, enc, pos, pos)
+        return
     with torch.no_grad():
         expected = get_backend("eager")(q, k, v, enc, pos, pos)
         got = get_backend(backend)(q, k, v, enc, pos, pos)

@@ -232,6 +232,11 @@ def test_flex_learnable_forward_matches_eager_for_every_scheme(name: str) -> Non
             with pytest.raises(ValueError, match="content-dependent bias"):
                 get_backend(backend)(q, k, v, enc, pos, pos)
         return
+    if enc.replaces_softmax:  # no softmax for a score_mod to modify: both flex backends refuse it
+        for backend in ("flex", "flex_learnable"):
+            with pytest.raises(ValueError, match=r"runs softmax attention, which .* replaces"):
+                get_backend(backend)(q, k, v, enc, pos, pos)
+        return
     with torch.no_grad():  # inputs that require grad, as in evaluation of a training model
         got = get_backend("flex_learnable")(q, k, v, enc, pos, pos)
         flex = get_backend("flex")(q, k, v, enc, pos, pos)

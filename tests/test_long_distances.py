@@ -135,3 +135,16 @@ def test_flex_learnable_values_and_bias_gradients_equal_eager_past_2048(name: st
     assert len(got) == len(expected) > 1
     for value, reference in zip(got, expected, strict=True):
         torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEMES if make(n).replaces_softmax])
+def test_own_attention_in_fp32_equals_fp64_past_2048(name: str) -> None:
+    # A scheme that replaces the softmax sums log-sticks along whole rows: fp32 must hold them over 2,304 keys.
+    enc = make(name)
+    pos = torch.arange(OFFSET, OFFSET + LONG)
+    q, k, v = (torch.randn(1, HEADS, LONG, HEAD_DIM, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        expected = enc.attend(q, k, v, pos, pos)
+        got = enc.attend(q.float(), k.float(), v.float(), pos, pos)
+    assert expected.dtype == torch.float64 and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-4)

@@ -4,6 +4,10 @@ Every backend computes the same thing, softmax(q·kᵀ/√d + bias, causal) · v
 the form it can use: ``eager`` the dense ``bias()``, ``sdpa`` the dense bias as an attention mask (or none, for
 the flash path), ``flex`` the ``score_mod``. A backend that cannot honour a scheme raises; none drops a bias.
 ``auto`` picks, per call, a backend that works for the device and the scheme.
+
+A scheme that replaces the softmax (``replaces_softmax``: stick-breaking) has no softmax to bias: ``eager`` multiplies
+its dense reference weights by v, ``sdpa`` and ``auto`` run its own memory-bounded ``attend``, and the backends built
+around a softmax kernel refuse it (``refuse_own_attention``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
         )
 
 
+def refuse_own_attention(encoding: PositionalEncoding, backend: str) -> None:
+    """Refuse a scheme that replaces the softmax in a backend whose kernel is a softmax (flex, flex_learnable, triton).
+
+    Such a backend would otherwise run softmax attention in the scheme's place; every one of them calls this first.
+    """
+    if encoding.replaces_softmax:
+        raise ValueError(
+            f"attention={backend} runs softmax attention, which {encoding.label} replaces with its own; "
+            "use attention=auto, sdpa or eager"
+        )
+
+
 def decoding_backend(name: str) -> str:
     """The backend cached decoding uses for a model built with ``name``: itself if it takes a query suffix."""
     _load()
@@ -80,5 +96,6 @@ __all__ = [
     "decoding_backend",
     "get_backend",
     "refuse_content_bias",
+    "refuse_own_attention",
     "register_backend",
 ]

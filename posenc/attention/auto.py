@@ -12,10 +12,12 @@
 - a bias on CPU → ``sdpa`` with the bias as a chunked mask (FlexAttention has no CPU backward, and SDPA is the
   faster CPU path anyway);
 - a content-dependent bias (CoPE, DAPE, data-dependent ALiBi), any device → ``sdpa`` with the bias computed per
-  query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it.
+  query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it;
+- a scheme that replaces the softmax (stick-breaking), any device → ``sdpa``, which runs the scheme's own
+  memory-bounded ``attend`` (no softmax kernel applies; ``flex``, ``flex_learnable`` and ``triton`` refuse it).
 
-The choice reads only what the scheme declares (``adds_content_bias``, ``adds_bias``, ``learnable_bias``,
-``bias_gradient_forms``, ``score_mod_differentiable``) and whether gradients are being recorded.
+The choice reads only what the scheme declares (``replaces_softmax``, ``adds_content_bias``, ``adds_bias``,
+``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``) and whether gradients are being recorded.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from posenc.runtime import cuda_path
 
 def choose(encoding: PositionalEncoding, is_cuda: bool, training: bool = True) -> str:
     """Name of the backend ``auto`` uses for this scheme on this kind of device, training or not."""
-    if encoding.adds_content_bias or not encoding.adds_bias or not is_cuda:
+    if encoding.replaces_softmax or encoding.adds_content_bias or not encoding.adds_bias or not is_cuda:
         return "sdpa"
     if encoding.learnable_bias and supports(encoding):
         return "flex_learnable"

@@ -1,7 +1,8 @@
 """The reference backend: the textbook formula, dense and in fp32 (autocast off). Obviously correct, O(L²) memory.
 
 ``attention_weights`` is the same formula stopped at the probabilities: what attention maps and attention
-statistics read, so they show exactly what the reference computes.
+statistics read, so they show exactly what the reference computes. For a scheme that replaces the softmax they are
+the scheme's own dense weights (``PositionalEncoding.attention_weights``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from posenc.runtime import full_precision
 @full_precision
 def attention_weights(q: Tensor, k: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """fp32 causal attention probabilities (B, H, Lq, Lk) of rotated q (B, H, Lq, D) over rotated k (B, H, Lk, D)."""
+    if encoding.replaces_softmax:  # no softmax at all: the scheme's own weights
+        return encoding.attention_weights(q, k, q_pos, k_pos)
     scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
     bias = encoding.bias(q_pos, k_pos)  # (H, Lq, Lk), added before the mask and before the softmax
     if bias is not None:

@@ -14,6 +14,9 @@ bias that varies along a row only through a per-key term (the scheme's ``key_bia
 (Lq × Lk) tensor: the term rides in one extra channel of q and k, and SDPA runs its fused kernel with a causal
 boolean mask (on CPU, in fp32 or fp64; the CUDA path keeps the dense bias, whose bf16 behaviour is the measured one).
 
+A scheme that replaces the softmax (``replaces_softmax``: stick-breaking) is not a softmax SDPA could run: sdpa hands
+it to the scheme's own ``attend`` (blocks of query rows, memory O(Lk) per row). sdpa is the CPU path and cached
+decoding's, so it takes such a scheme rather than refuse it; it never runs a softmax in its place.
 When a scheme widens q and k beyond v's width (``qk_width``: PoPE's 2D), v is padded with zero channels to their
 width and the padding dropped from the output: SDPA's flash kernels take one head width for q, k and v, and without
 them a 2,048-position CPU forward ran on the math kernel ~5× slower (333 ms against 70 ms padded, 4 heads × 64).
@@ -99,6 +102,8 @@ def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: 
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> Tensor:
+    if encoding.replaces_softmax:
+        return encoding.attend(q, k, v, q_pos, k_pos)
     extra = q.shape[-1] - v.shape[-1]
     if extra > 0:  # q, k wider than v (PoPE): zero channels give v their width, the flash kernels need one
         return sdpa_attention(q, k, F.pad(v, (0, extra)), encoding, q_pos, k_pos)[..., : v.shape[-1]]

@@ -33,6 +33,19 @@ Every backend scales the scores by 1/√(width of the q it receives). A scheme w
 than the head (``qk_width``: PoPE's polar form, twice the head) sets the temperature it intends inside ``rotate``
 (PoPE multiplies q by √2, so the backends' 1/√(2D) is its paper's 1/√D); v keeps the head width, and a backend
 whose kernel needs q, k and v of one width refuses such a scheme.
+A scheme that replaces the softmax itself (stick-breaking attention: weights from a stick broken key by key, not
+a normalised exponential) declares ``replaces_softmax``: there is no score to add a bias to, and a backend that
+computes a softmax would compute the wrong attention. It supplies its attention in two words:
+
+- ``attention_weights(q, k, q_pos, k_pos)``: the dense fp32 weights (B, H, Lq, Lk) of the (already rotated) queries
+  over the keys, with which the output is weights · v. It is the reference, and what attention maps and statistics
+  read. Each row is a distribution over the keys at positions ≤ q_pos[i] and reads nothing else (the query-suffix
+  rule above: cached decoding must get the full computation's rows).
+- ``attend(q, k, v, q_pos, k_pos)``: the same output (B, H, Lq, D) without an (Lq × Lk) tensor, its memory bounded
+  per block of query rows, values and gradients equal to the reference's.
+
+``eager`` multiplies the reference weights by v; ``sdpa`` and ``auto`` hand such a scheme to its ``attend``; backends
+that only run a softmax kernel (``flex``, ``flex_learnable``, ``triton``) refuse it in one line.
 
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
@@ -109,6 +122,7 @@ class PositionalEncoding(nn.Module):
     - ``adds_bias``: ``bias``/``score_mod`` are not ``None``.
     - ``rotates``: ``rotate`` is not the identity.
     - ``adds_content_bias``: ``content_bias`` is not ``None`` (a bias that reads q and k, not only positions).
+    - ``replaces_softmax``: ``attention_weights``/``attend`` are the attention itself; there is no softmax to bias.
     - ``score_mod_differentiable``: FlexAttention may differentiate ``score_mod`` with respect to its parameters.
     - ``score_mod_reads_table``: ``score_mod`` gathers from a table at a per-score index (smaller kernel tiles).
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
@@ -122,6 +136,7 @@ class PositionalEncoding(nn.Module):
     adds_bias: ClassVar[bool] = False
     rotates: ClassVar[bool] = False
     adds_content_bias: ClassVar[bool] = False
+    replaces_softmax: ClassVar[bool] = False
     reads_scores: ClassVar[bool] = False  # content_bias reads q·kᵀ/√D, which a backend may pass it (``scores``)
     # FlexAttention can differentiate the score_mod's trainable tensors on a GPU. Inductor lowers a score_mod's
     # gradient only for trainable tensors read by index, each indexed once per score (its joint-graph check), and
@@ -224,6 +239,22 @@ class PositionalEncoding(nn.Module):
 
         ``None`` (the default) when the content bias is not of that form; when it is, ``content_bias − t_j`` must be
         constant along j over each row's causal keys, which ``tests/test_zoo.py`` checks for every scheme.
+        """
+        return None
+
+    def attention_weights(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """fp32 weights (B, H, Lq, Lk) of a scheme that ``replaces_softmax``, or ``None`` for a softmax scheme.
+
+        Row i sums to 1 over the keys with ``k_pos <= q_pos[i]`` and is 0 elsewhere; it may read only q_i and those
+        keys (see the module docstring). The dense reference its ``attend`` is tested against.
+        """
+        return None
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """``attention_weights · v`` (B, H, Lq, D) in ``q``'s dtype, with no (Lq × Lk) tensor, or ``None``.
+
+        Only a scheme that ``replaces_softmax`` answers; it keeps its arithmetic in fp32 and its memory bounded per
+        block of query rows, in the forward and the backward.
         """
         return None
 

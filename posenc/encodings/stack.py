@@ -37,6 +37,20 @@ class Stack(PositionalEncoding):
         self.score_mod_differentiable = all(m.score_mod_differentiable for m in members)
         self.qk_width = math.prod(m.qk_width for m in members)
         self.scales_with_length = any(m.scales_with_length for m in members)
+        # A scheme that replaces the softmax leaves nothing for a bias to be added to: it stacks with rotations and
+        # input embeddings only, and alone of its kind.
+        replacing = [m for m in members if m.replaces_softmax]
+        if replacing and (len(replacing) > 1 or self.adds_bias or self.adds_content_bias):
+            others = [
+                m.label
+                for m in members
+                if m is not replacing[0] and (m.adds_bias or m.adds_content_bias or m.replaces_softmax)
+            ]
+            raise ValueError(
+                f"{replacing[0].label} replaces the softmax, so there is no softmax for {', '.join(others)} to act on: "
+                "stack it only with schemes that rotate q and k or embed the input"
+            )
+        self.replaces_softmax = bool(replacing)
 
     @property
     def label(self) -> str:
@@ -73,6 +87,12 @@ class Stack(PositionalEncoding):
         if not biases:
             return None
         return sum(biases[1:], biases[0])
+
+    def attention_weights(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        return next((w for w in (m.attention_weights(q, k, q_pos, k_pos) for m in self.parts) if w is not None), None)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        return next((o for o in (m.attend(q, k, v, q_pos, k_pos) for m in self.parts) if o is not None), None)
 
     def key_bias(self, k: Tensor, k_pos: Tensor) -> Tensor | None:
         """The members' key terms summed, when every member with a content bias has one; ``None`` otherwise."""

@@ -8,7 +8,9 @@ Per layer and head, at each evaluated length, over every query of some windows o
 
 The first query of a window is left out: it can only attend to itself, so its values say nothing. Probabilities
 come from the scheme's dense reference (``posenc.probe``: rotate and bias through the contract), one chunk of
-queries at a time, so no more than ``max_scores`` scores exist at once whatever the length.
+queries at a time, so no more than ``max_scores`` scores exist at once whatever the length. For a scheme that
+replaces the softmax they are its own weights (``replaces_softmax``: stick-breaking's A_ij, with the stick no key
+took on the query's own token), a distribution over the same keys.
 """
 
 from __future__ import annotations

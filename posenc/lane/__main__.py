@@ -8,7 +8,8 @@
 
 Each GPU's cases run in processes of their own (the fake device is process-wide), ``--jobs`` at once. Exit status 1
 when a stage that must compile did not, or compiled over its device's shared memory; 0 otherwise. Needs the pinned
-torch and triton (``posenc.lane.PINNED``): anything else gets one line saying so, and exit status 2.
+torch and triton (``posenc.lane.PINNED``): anything else gets one line saying so, and exit status 2; so does a
+``--scheme`` whose declarations keep every CUDA path off FlexAttention (``flex.not_on_flex`` says why).
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{worst['registers'] if worst['registers'] is not None else '?'} | "
             f"{worst['spills'] if worst['spills'] is not None else '?'} |"
         )
+    from posenc.lane.flex import skipped
+
+    lines += ["", "Compiled for no GPU, as their declarations say no CUDA path takes FlexAttention:", ""]
+    lines += [f"- {name}: {reason}" for name, reason in skipped().items()]
     return "\n".join(lines) + "\n"
 
 
@@ -153,6 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_gpu(args)
         return 0
+    if args.scheme:
+        from posenc.encodings import build
+        from posenc.lane.flex import HEADS, not_on_flex
+
+        for name in args.scheme:
+            reason = not_on_flex(build(name, num_heads=HEADS, head_dim=64))
+            if reason is not None:
+                print(f"posenc.lane: nothing to compile for {name}: it {reason}", file=sys.stderr)
+                return 2
     flags = [
         flag for flag, on in (("--no-registers", args.no_registers), ("--torch-defaults", args.torch_defaults)) if on
     ]

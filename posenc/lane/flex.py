@@ -90,14 +90,26 @@ class StageResult:
         }
 
 
-def _flex_capable(name: str) -> bool:
-    encoding = build(name, num_heads=HEADS, head_dim=64)
-    return encoding.adds_bias and not encoding.adds_content_bias
+def not_on_flex(encoding: PositionalEncoding) -> str | None:
+    """Why no CUDA path of this scheme reaches FlexAttention, from what it declares; ``None`` when one does."""
+    if encoding.replaces_softmax:
+        return "replaces the softmax with its own attention, which no FlexAttention kernel computes (auto: sdpa)"
+    if encoding.adds_content_bias:
+        return "its bias reads queries and keys, which a score_mod cannot (auto: sdpa)"
+    if not encoding.adds_bias:
+        return "no attention bias: SDPA's own kernels run it (auto: sdpa)"
+    return None
+
+
+def skipped() -> dict[str, str]:
+    """{scheme: why the lane compiles nothing for it} over the registry: the schemes no FlexAttention path takes."""
+    reasons = {name: not_on_flex(build(name, num_heads=HEADS, head_dim=64)) for name in available()}
+    return {name: reason for name, reason in reasons.items() if reason is not None}
 
 
 def schemes() -> list[str]:
     """Registry schemes whose bias FlexAttention can apply, and the two stacks built by what the schemes declare."""
-    single = [name for name in available() if _flex_capable(name)]
+    single = [name for name in available() if not_on_flex(build(name, num_heads=HEADS, head_dim=64)) is None]
     built = {name: build(name, num_heads=HEADS, head_dim=64) for name in single}
     fixed = [name for name in single if not built[name].learnable_bias]
     with_forms = [name for name in single if built[name].learnable_bias and supports(built[name])]
@@ -117,6 +129,9 @@ def cases(names: list[str] | None = None) -> list[Case]:
     out = []
     for name in names or schemes():
         encoding = build(name, num_heads=HEADS, head_dim=64)
+        reason = not_on_flex(encoding)
+        if reason is not None:
+            raise ValueError(f"the lane has nothing to compile for {name}: it {reason}")
         trains_on_flex = not encoding.learnable_bias or encoding.score_mod_differentiable
         paths = [("flex", True)] if trains_on_flex else [("flex", False), ("flex", True)]
         if encoding.learnable_bias and supports(encoding):

@@ -1,0 +1,212 @@
+"""Schemes that replace the softmax: the contract (parametrised over the registry by declaration), the blocked path
+against the dense reference, the refusals, and stick-breaking's formula on hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import HEAD_DIM, HEADS, SCHEMES, make
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import posenc.attention.triton_table as triton_table
+from posenc.attention import get_backend
+from posenc.attention.auto import choose
+from posenc.encodings.stick_breaking import stick_breaking_attention
+from posenc.lane.flex import cases, not_on_flex, skipped
+
+REPLACING = [name for name in SCHEMES if make(name).replaces_softmax]
+ROTARY = next(name for name in SCHEMES if make(name).rotates and not make(name).adds_bias)
+CASES = [*REPLACING, *(f"{ROTARY}+{name}" for name in REPLACING)]
+
+
+def _grads(attend, name: str, length: int, first_pos: int = 0) -> list[torch.Tensor]:
+    """Output and the gradients of q, k, v (through the scheme's rotation) under a non-uniform output gradient."""
+    torch.manual_seed(7)
+    enc = make(name)
+    pos = torch.arange(first_pos, first_pos + length)
+    q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
+    rotated_q, rotated_k = enc.rotate(q, k, pos, pos)
+    out = attend(rotated_q, rotated_k, v, enc, pos, pos)
+    (out * torch.randn(out.shape)).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _dense(q, k, v, enc, q_pos, k_pos) -> torch.Tensor:
+    return get_backend("eager")(q, k, v, enc, q_pos, k_pos)
+
+
+def test_some_registered_scheme_replaces_the_softmax() -> None:
+    assert "stick_breaking" in REPLACING  # otherwise every test below would test nothing
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_weights_are_a_causal_distribution_in_fp32(name: str) -> None:
+    enc = make(name)
+    pos = torch.arange(20)
+    q, k = enc.rotate(torch.randn(2, HEADS, 20, HEAD_DIM), torch.randn(2, HEADS, 20, HEAD_DIM), pos, pos)
+    weights = enc.attention_weights(q, k, pos, pos)
+    assert weights.dtype == torch.float32 and weights.shape == (2, HEADS, 20, 20)
+    assert torch.all(weights >= 0) and torch.all(weights.triu(diagonal=1) == 0)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, HEADS, 20))
+    assert enc.bias(pos, pos) is None and enc.score_mod() is None  # nothing for a softmax backend to apply
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("rows", [1, 4, 7, 37, None])
+@pytest.mark.parametrize("length", [37, 64])
+def test_blocked_path_matches_the_dense_reference_values_and_gradients(name: str, rows: int, length: int) -> None:
+    expected = _grads(_dense, name, length, first_pos=5)
+
+    def blocked(q, k, v, enc, q_pos, k_pos):
+        return (
+            enc.attend(q, k, v, q_pos, k_pos) if rows is None else stick_breaking_attention(q, k, v, q_pos, k_pos, rows)
+        )
+
+    for value, reference in zip(_grads(blocked, name, length, first_pos=5), expected, strict=True):
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scale", [8.0, 40.0])
+def test_large_scores_stay_finite_and_match_the_reference(scale: float) -> None:
+    # Scores of hundreds: sticks taken whole (σ(−z) underflows), products that underflow; no inf or NaN anywhere.
+    enc = make("stick_breaking")
+    pos = torch.arange(50)
+    grads = []
+    for attend in (_dense, lambda q, k, v, enc, q_pos, k_pos: enc.attend(q, k, v, q_pos, k_pos)):
+        torch.manual_seed(3)
+        q, k, v = (torch.randn(2, HEADS, 50, HEAD_DIM) for _ in range(3))
+        q, k = (t.mul(scale).requires_grad_() for t in (q, k))
+        out = attend(q, k, v, enc, pos, pos)
+        (out * torch.randn(out.shape)).sum().backward()
+        grads.append([out.detach(), q.grad, k.grad])
+    for value, reference in zip(*grads, strict=True):
+        assert torch.isfinite(value).all()
+        torch.testing.assert_close(value, reference, atol=1e-4 * max(1.0, reference.abs().max().item()), rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_backend_auto_may_choose_runs_the_schemes_own_attention(name: str) -> None:
+    enc = make(name)
+    assert choose(enc, is_cuda=True) == choose(enc, is_cuda=False) == "sdpa"
+    expected = _grads(_dense, name, 29)
+    for backend in ("sdpa", "auto"):
+        for value, reference in zip(_grads(get_backend(backend), name, 29), expected, strict=True):
+            torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_query_suffix_over_cached_keys_gives_the_full_rows(name: str) -> None:
+    enc = make(name)
+    pos = torch.arange(100, 140)
+    q, k, v = (torch.randn(2, HEADS, 40, HEAD_DIM) for _ in range(3))
+    with torch.no_grad():
+        full = enc.attend(q, k, v, pos, pos)
+        weights = enc.attention_weights(q, k, pos, pos)
+        for start in (39, 23, 1):
+            torch.testing.assert_close(enc.attend(q[:, :, start:], k, v, pos[start:], pos), full[:, :, start:])
+            torch.testing.assert_close(
+                enc.attention_weights(q[:, :, start:], k, pos[start:], pos), weights[:, :, start:]
+            )
+
+
+@pytest.mark.parametrize("name", REPLACING)
+def test_shift_of_every_position_changes_nothing(name: str) -> None:
+    torch.testing.assert_close(_grads(_dense, name, 30), _grads(_dense, name, 30, first_pos=1000))
+
+
+@pytest.mark.parametrize("name", REPLACING)
+def test_a_later_key_never_changes_an_earlier_row(name: str) -> None:
+    enc = make(name)
+    pos = torch.arange(12)
+    q, k, v = (torch.randn(1, HEADS, 12, HEAD_DIM) for _ in range(3))
+    changed_k, changed_v = k.clone(), v.clone()
+    changed_k[:, :, 8] += 1.0
+    changed_v[:, :, 8] += 1.0
+    before, after = enc.attend(q, k, v, pos, pos), enc.attend(q, changed_k, changed_v, pos, pos)
+    torch.testing.assert_close(before[:, :, :8], after[:, :, :8])
+    assert not torch.allclose(before[:, :, 8:], after[:, :, 8:])
+
+
+def test_blocked_path_never_holds_more_than_a_block_of_scores() -> None:
+    # O(Lk) memory per query row: no tensor of the forward or the backward spans more than `rows` queries × Lk keys
+    # (or the (B, H, L, D) inputs and outputs), where the dense reference's are (B, H, L, L).
+    batch, length, rows = 2, 96, 8
+    sizes = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes.extend(t.numel() for t in (out if isinstance(out, tuple | list) else [out]) if torch.is_tensor(t))
+            return out
+
+    q, k, v = (torch.randn(batch, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
+    pos = torch.arange(length)
+    with Sizes():
+        stick_breaking_attention(q, k, v, pos, pos, rows).square().sum().backward()
+    assert sizes and max(sizes) <= batch * HEADS * max(rows * length, length * HEAD_DIM)
+
+
+def test_bf16_autocast_is_close_to_fp32_and_keeps_the_arithmetic_in_fp32() -> None:
+    enc = make("stick_breaking")
+    pos = torch.arange(300)
+    q, k, v = (torch.randn(2, HEADS, 300, HEAD_DIM) for _ in range(3))
+    reference = enc.attend(q, k, v, pos, pos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # fp32 inputs under autocast: the same arithmetic, in fp32.
+        torch.testing.assert_close(enc.attend(q, k, v, pos, pos), reference, atol=1e-6, rtol=1e-6)
+        low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+        out = enc.attend(*low, pos, pos)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
+    out.float().square().sum().backward()
+    assert all(t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad).all() for t in low)
+
+
+@pytest.mark.parametrize("backend", ["flex", "flex_learnable", "triton"])
+def test_softmax_kernels_refuse_it_in_one_line(backend: str) -> None:
+    enc = make("stick_breaking")
+    pos = torch.arange(8)
+    q = torch.randn(1, HEADS, 8, 16)
+    call = triton_table.check_supported if backend == "triton" else get_backend(backend)
+    with pytest.raises(ValueError, match=rf"attention={backend} runs softmax attention") as refusal:
+        call(q, q, q, enc, pos, pos)
+    assert "\n" not in str(refusal.value) and "attention=auto, sdpa or eager" in str(refusal.value)
+
+
+def test_a_stack_adds_no_bias_to_a_replaced_softmax() -> None:
+    with pytest.raises(ValueError, match="stick_breaking replaces the softmax, so there is no softmax for alibi"):
+        make("alibi+stick_breaking")
+
+
+@pytest.mark.parametrize("name", REPLACING)
+def test_the_lane_says_why_it_compiles_nothing_for_it(name: str) -> None:
+    assert "replaces the softmax" in not_on_flex(make(name)) and "replaces the softmax" in skipped()[name]
+    with pytest.raises(ValueError, match=f"nothing to compile for {name}: it replaces the softmax"):
+        cases([name])
+
+
+# --- stick-breaking's formula on hand-computed values --------------------------------------------------------
+
+
+def test_stick_breaking_weights_by_hand() -> None:
+    # One head of width 1 (scale 1), z_ij = q_i · k_j. σ(log 3) = 3/4, σ(0) = 1/2, σ(−log 3) = 1/4.
+    enc = make("stick_breaking", heads=1, head_dim=1)
+    log3 = math.log(3.0)
+    q = torch.tensor([0.0, -1.0, 1.0, 1.0]).view(1, 1, 4, 1)
+    k = torch.tensor([log3, 0.0, log3, 5.0]).view(1, 1, 4, 1)
+    pos = torch.arange(4)
+    expected = torch.tensor(
+        [
+            [1.0, 0, 0, 0],  # no earlier key: the whole stick stays on the query's own value
+            [1 / 4, 3 / 4, 0, 0],  # β_10 = σ(−log 3) = 1/4; the rest, 3/4, to token 1
+            [3 / 4 * 1 / 2, 1 / 2, 1 / 8, 0],  # nearest first: β_21 = 1/2, then β_20 = 3/4 of the half left
+            [3 / 4 * 1 / 4 * 1 / 2, 1 / 2 * 1 / 4, 3 / 4, 1 / 4 * 1 / 2 * 1 / 4],  # k_3 = 5 is never read
+        ]
+    )
+    torch.testing.assert_close(enc.attention_weights(q, k, pos, pos)[0, 0], expected)
+    v = torch.tensor([1.0, 10.0, 100.0, 1000.0]).view(1, 1, 4, 1)
+    outputs = torch.tensor([1.0, 1 / 4 + 30 / 4, 3 / 8 + 5 + 100 / 8, 3 / 32 + 10 / 8 + 75 + 1000 / 32])
+    for attend in (enc.attend, lambda *args: _dense(*args[:3], enc, *args[3:])):
+        torch.testing.assert_close(attend(q, k, v, pos, pos)[0, 0, :, 0], outputs)
