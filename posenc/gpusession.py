@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from posenc.jsonio import write_text
+
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("proof", "speed", "repro")
 # The configs gpucheck trains in its first part: one of each attention path, so a broken path shows up early.
@@ -228,14 +230,14 @@ def run_session(steps: list[Step], out: Path, work: Path, budget_s: float, env: 
 
 def write_summary(steps: list[Step], out: Path) -> None:
     """``summary.json`` and ``summary.md``, rewritten after every step so a cut session keeps them."""
-    (out / "summary.json").write_text(json.dumps([asdict(step) for step in steps], indent=2) + "\n")
+    write_text(out / "summary.json", json.dumps([asdict(step) for step in steps], indent=2) + "\n")
     rows = ["| stage | step | status | s | rc |", "|---|---|---|---:|---:|"]
     rows += [
         f"| {s.stage} | {s.name} | {s.status} | {s.seconds if s.seconds is not None else ''} | "
         f"{s.returncode if s.returncode is not None else ''} |"
         for s in steps
     ]
-    (out / "summary.md").write_text("\n".join(rows) + "\n")
+    write_text(out / "summary.md", "\n".join(rows) + "\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
