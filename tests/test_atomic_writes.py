@@ -242,6 +242,23 @@ def test_a_full_disk_at_the_evaluation_is_one_line_and_the_run_resumes(small_dis
     assert (run_dir / DONE_FILE).exists() and not _partials(small_disk)
 
 
+@pytest.mark.slow
+def test_a_full_disk_in_posenc_evaluate_is_one_line_and_keeps_the_evaluation(small_disk: Path) -> None:
+    run_dir = small_disk / "run"
+    train(compose_train("+encoding=alibi", *RUN, "model.dim=32", "model.depth=1"), run_dir)
+    before = (run_dir / "eval" / "results.json").read_text()
+    _fill(small_disk)
+    stopped = _cli("-m", "posenc.evaluate", str(run_dir), "eval.max_tokens=256", "eval.multiples=[1,2,4]")
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"the disk is full: could not write {run_dir / 'eval' / 'results.json'} (it needs "
+        + stopped.stderr.split("(it needs ")[-1].split(")")[0]
+        + f"); {run_dir / 'eval'} is as it was. Free space, then run the same command again"
+    )
+    assert (run_dir / "eval" / "results.json").read_text() == before and not _partials(small_disk)
+    assert not list(run_dir.glob(".eval*"))
+
+
 def _results(folder: Path, label: str) -> Path:
     rows = [
         {"length": 16 * m, "mode": "nonoverlap", "stride": None, "tokens": 256, "loss": 1.0, "ppl": 2.7 * m}
