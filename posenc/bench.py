@@ -48,7 +48,7 @@ from posenc.bench_compare import compare_cases, compare_markdown
 from posenc.compiling import compile_blocks, should_compile
 from posenc.config import CONF_DIR, to_container
 from posenc.encodings import build, scheme_class, stack_members
-from posenc.jsonio import dumps
+from posenc.jsonio import write_json, write_text
 from posenc.model import Decoder
 
 
@@ -303,8 +303,8 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "compare": compare_cases(cfg.compare, device) if cfg.compare.schemes else [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(dumps(results))
-    (out_dir / "bench.md").write_text(markdown(results))
+    write_json(out_dir / "bench.json", results)
+    write_text(out_dir / "bench.md", markdown(results))
     return results
 
 

@@ -13,6 +13,7 @@ Only rank zero talks to W&B.
 from __future__ import annotations
 
 import csv
+import io
 import netrc
 import os
 import socket
@@ -23,6 +24,7 @@ from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, Logger
 
+from posenc.jsonio import write_text
 from posenc.runs import global_rank
 
 
@@ -80,10 +82,11 @@ class ResumedCSVLogger(CSVLogger):
             warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
             writer = super().experiment  # creates the writer, which deletes metrics.csv
         if header:
-            with path.open("w", newline="") as handle:
-                out = csv.DictWriter(handle, fieldnames=header)
-                out.writeheader()
-                out.writerows(rows)
+            text = io.StringIO(newline="")
+            out = csv.DictWriter(text, fieldnames=header)
+            out.writeheader()
+            out.writerows(rows)
+            write_text(path, text.getvalue())
             writer.metrics_keys = header
         return writer
 

@@ -46,6 +46,7 @@ from posenc.runs import (
     DONE_FILE,
     FAILED_FILE,
     experiment_settings,
+    last_good_checkpoint,
     read_checkpoint,
     read_json,
     validate,
@@ -92,17 +93,19 @@ class JobState:
         if self.finished:
             return "finished"
         action = f"resume from step {self.step}" if self.checkpoint else "new"
+        if self.checkpoint is not None and self.checkpoint.name != CHECKPOINT.name:
+            action += f" ({CHECKPOINT.name} is unreadable: from {self.checkpoint.name}, the checkpoint before it)"
         return f"failed earlier ({self.failed}); retrying: {action}" if self.failed else action
 
 
 def job_state(run_dir: Path, config: Mapping[str, Any]) -> JobState:
     """Finished (``done.json``), interrupted (a last checkpoint) or new; ``SweepError`` on changed settings."""
-    done, checkpoint, failed = run_dir / DONE_FILE, run_dir / CHECKPOINT, run_dir / FAILED_FILE
+    done, failed = run_dir / DONE_FILE, run_dir / FAILED_FILE
     reason = read_json(failed).get("reason") if failed.exists() else None
     if done.exists():
         earlier, what = read_json(done)["config"], "finished"
         state = JobState(run_dir, finished=True)
-    elif checkpoint.exists():
+    elif (checkpoint := last_good_checkpoint(run_dir, announce=False)) is not None:
         step, earlier = read_checkpoint(checkpoint)
         what = f"was interrupted at step {step}"
         state = JobState(run_dir, checkpoint=checkpoint, step=step, failed=reason)

@@ -16,7 +16,7 @@ import io
 import logging
 import shlex
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -47,20 +47,31 @@ def _example(key: str) -> str:
 
 
 class _Tee(io.TextIOBase):
-    """A console stream that also writes into the run's ``train.log``."""
+    """A console stream that also writes into the run's ``train.log``; on a full disk, the console alone.
+
+    The log is a copy: losing its tail to a full disk must not turn the run's own one-line message into a
+    traceback from whatever was printing at the time.
+    """
 
     def __init__(self, stream: TextIO, log: TextIO) -> None:
         self.stream, self.log = stream, log
 
     def write(self, text: str) -> int:
-        if not self.log.closed:  # a handler may keep this stream after the run (the next job of a multirun)
-            self.log.write(text)
+        self._to_log(self.log.write, text)
         return self.stream.write(text)
 
     def flush(self) -> None:
-        if not self.log.closed:
-            self.log.flush()
+        self._to_log(self.log.flush)
         self.stream.flush()
+
+    def _to_log(self, method: Callable[..., Any], *args: Any) -> None:
+        if self.log.closed:  # a handler may keep this stream after the run (the next job of a multirun)
+            return
+        try:
+            method(*args)
+        except OSError:
+            with contextlib.suppress(OSError):
+                self.log.close()
 
     def isatty(self) -> bool:
         return self.stream.isatty()
@@ -76,7 +87,8 @@ def console_into(path: Path) -> Iterator[None]:
     Log handlers that write to the console (Hydra's, which carries Lightning's records) write through the copy too.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as log:
+    log = path.open("a", encoding="utf-8")
+    try:
         stdout, stderr = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(stdout, log), _Tee(stderr, log)
         consoles = {id(stdout): sys.stdout, id(stderr): sys.stderr}
@@ -93,6 +105,9 @@ def console_into(path: Path) -> Iterator[None]:
             for handler, stream in handlers:
                 handler.setStream(stream)
             sys.stdout, sys.stderr = stdout, stderr
+    finally:
+        with contextlib.suppress(OSError):  # what a full disk kept out of the log is on the console
+            log.close()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

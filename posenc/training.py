@@ -6,6 +6,8 @@ the time it takes to import torch, not Lightning.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import logging
@@ -28,6 +30,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from posenc.evaluate import RESULTS_FILE, sliding_dir
 from posenc.evaluate.curve import ValidationAccuracy
 from posenc.evaluate.runner import ExtrapolationEval
+from posenc.jsonio import DiskFullError
 from posenc.lit import DivergedError, LitDecoder
 from posenc.loggers import build_loggers, finish_loggers
 from posenc.runs import (
@@ -36,6 +39,7 @@ from posenc.runs import (
     RunError,
     build_datamodule,
     check_data,
+    disk_full_message,
     global_batch,
     read_checkpoint,
     resume_checkpoint,
@@ -45,6 +49,7 @@ from posenc.runs import (
     write_failed,
     write_json,
 )
+from posenc.runs.checkpoint_io import AtomicCheckpointIO
 from posenc.runtime import resolve_precision
 
 # Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
@@ -302,10 +307,12 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         for fraction in [] if task else config["eval"].get("sliding_fractions") or []:
             sliding = {**config["eval"], "mode": "sliding", "stride": None, "stride_fraction": fraction}
             callbacks.append(ExtrapolationEval(info, sliding, run_dir / sliding_dir(fraction), stream, task))
+    # Checkpoints written whole or not at all, beside where they land, the one before kept (runs/checkpoint_io.py).
+    trainer_cfg["plugins"] = [*(trainer_cfg.get("plugins") or []), AtomicCheckpointIO()]
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         # submitit requeues a job that is running out of time (SaveOnInterrupt saves first); Lightning's own
         # auto-requeue would requeue it a second time, from a checkpoint taken inside its signal handler.
-        trainer_cfg["plugins"] = [SLURMEnvironment(auto_requeue=False)]
+        trainer_cfg["plugins"].append(SLURMEnvironment(auto_requeue=False))
     trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
     started = time.perf_counter()
     try:
@@ -325,9 +332,14 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         if trainer.is_global_zero:
             write_failed(run_dir, config, str(err), err.step)
         raise RunError(message) from None
-    except BaseException:
-        finish_loggers(loggers, success=False)
-        raise
+    except BaseException as err:
+        full = _disk_full(err)
+        if full is None:
+            finish_loggers(loggers, success=False)
+            raise
+        with contextlib.suppress(OSError):  # a logger's own files are on the same full disk
+            finish_loggers(loggers, success=False)
+        raise _full_disk_error(full, config, run_dir, resume_command) from None
     accounting = global_batch(config["data"]["batch_size"], trainer, seq_len)
     steps = trainer.global_step or _checkpoint_step(run_dir)  # 0 here under ddp_spawn: it trained in children
     resumed_from = None
@@ -349,11 +361,36 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         "val_curve": curve.history if curve is not None else None,
         "eval": _eval_summary(evaluation, run_dir),
     }
-    finish_loggers(loggers, success=True)
-    if trainer.is_global_zero:
-        write_json(run_dir / RUN_FILE, summary)
-        write_done(run_dir, config, steps)
+    try:
+        finish_loggers(loggers, success=True)
+        if trainer.is_global_zero:
+            write_json(run_dir / RUN_FILE, summary)
+            write_done(run_dir, config, steps)
+    except OSError as err:
+        if (full := _disk_full(err)) is None:
+            raise
+        raise _full_disk_error(full, config, run_dir, resume_command) from None
     return summary
+
+
+def _full_disk_error(full: OSError, config: dict[str, Any], run_dir: Path, resume_command: str | None) -> RunError:
+    """The one line a full disk ends a run with (``posenc.runs.disk_full_message``)."""
+    message = disk_full_message(full, run_dir, resume_command or f"resume=last in {run_dir}")
+    return RunError(f"{config['run_name']}: {message}")
+
+
+def _disk_full(err: BaseException | None) -> OSError | None:
+    """The full disk behind ``err``, if any: posenc's ``DiskFullError`` first, which says what it needed.
+
+    Lightning finalises the loggers when a run fails, and a logger writing to the same full disk raises in turn:
+    the first failure is then the exception's context.
+    """
+    chain = []
+    while err is not None and len(chain) < 16:
+        chain.append(err)
+        err = err.__context__
+    full = [e for e in chain if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)]
+    return next((e for e in full if isinstance(e, DiskFullError)), full[0] if full else None)
 
 
 def _checkpoint_step(run_dir: Path) -> int:

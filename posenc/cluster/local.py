@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from posenc.jsonio import write_text
+
 INSTALL = "apt-get install -y slurm-wlm munge"
 DAEMONS = ("munged", "slurmctld", "slurmd")  # started in this order, stopped in the reverse one
 CLIENTS = ("sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel")
@@ -129,7 +131,7 @@ def start(root: Path = DEFAULT_DIR, timeout_s: float = 60) -> LocalCluster:
     try:
         for name in DAEMONS:
             started[name] = _launch(cluster, name)
-            (cluster.root / PIDS_FILE).write_text(json.dumps(started))
+            write_text(cluster.root / PIDS_FILE, json.dumps(started))
             _wait_ready(cluster, name, started[name], deadline)
     except BaseException:
         stop(cluster.root)
@@ -225,7 +227,7 @@ def _write_config(cluster: LocalCluster) -> None:
         f"NodeName={node} NodeAddr=127.0.0.1 {hardware} State=UNKNOWN",
         f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
     ]
-    cluster.conf.write_text("\n".join(lines) + "\n")
+    write_text(cluster.conf, "\n".join(lines) + "\n")
 
 
 def _this_node() -> tuple[str, str]:

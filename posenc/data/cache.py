@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,19 +18,7 @@ import numpy as np
 
 from posenc.data.corpora import SPLITS, Corpus
 from posenc.data.tokenizer import ByteTokenizer
-
-
-def _atomic_write(path: Path, write) -> None:  # noqa: ANN001 - write(file object)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; caches are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from posenc.jsonio import write_bytes, write_text
 
 
 def tokenized_splits(corpus: Corpus, tokenizer: ByteTokenizer, cache_dir: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -51,7 +38,7 @@ def tokenized_splits(corpus: Corpus, tokenizer: ByteTokenizer, cache_dir: str | 
                     f"corpus {corpus.name} has an empty {split} split: give it more documents (or more text)"
                 )
             sizes[split], digests[split] = int(tokens.size), hashlib.sha256(tokens.tobytes()).hexdigest()
-            _atomic_write(folder / f"{split}.bin", lambda handle, t=tokens: handle.write(t.tobytes()))
+            write_bytes(folder / f"{split}.bin", np.ascontiguousarray(tokens))
         meta = {
             "corpus": corpus.name,
             "fingerprint": corpus.fingerprint,
@@ -59,7 +46,7 @@ def tokenized_splits(corpus: Corpus, tokenizer: ByteTokenizer, cache_dir: str | 
             "tokens": sizes,
             "sha256": digests,
         }
-        _atomic_write(meta_path, lambda handle: handle.write(json.dumps(meta, indent=2).encode()))
+        write_text(meta_path, json.dumps(meta, indent=2))
     return {
         split: np.memmap(folder / f"{split}.bin", dtype=np.uint16, mode="r", shape=(meta["tokens"][split],))
         for split in SPLITS
@@ -72,7 +59,7 @@ ORPHAN_AGE_SECONDS = 3600  # a temporary file this old belongs to no build still
 def _remove_orphans(folder: Path) -> None:
     """Delete temporary files of a build that was killed (a live build's are younger than an hour)."""
     if folder.is_dir():
-        for tmp in folder.glob(".*.tmp"):
+        for tmp in [*folder.glob(".*.tmp"), *folder.glob(".*.partial")]:
             if time.time() - tmp.stat().st_mtime > ORPHAN_AGE_SECONDS:
                 tmp.unlink(missing_ok=True)
 

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from posenc.config import CONF_DIR, to_container
 from posenc.evaluate import sliding_dir
+from posenc.jsonio import DiskFullError
 from posenc.runs import (
     EVALUATE_USAGE,
     RunError,
@@ -87,9 +88,12 @@ def _main(cfg: DictConfig) -> None:
         raise RunError(str(err)) from None
     trained_eval = config.get("eval") or {}
     out_dir = Path(cfg.out_dir) if cfg.out_dir else run_dir / eval_dir_name(eval_cfg, trained_eval, task)
-    images = replace_outputs(results, out_dir, plots=eval_cfg["plots"])
-    if out_dir.resolve() == (run_dir / "eval").resolve():
-        update_run_summary(run_dir, results["summary"])
+    try:
+        images = replace_outputs(results, out_dir, plots=eval_cfg["plots"])
+        if out_dir.resolve() == (run_dir / "eval").resolve():
+            update_run_summary(run_dir, results["summary"])
+    except DiskFullError as full:
+        raise RunError(f"{full}; {out_dir} is as it was. Free space, then run the same command again") from None
     print_results(results)
     print(f"\nwrote {out_dir}/results.json and {len(images)} plot(s)")
     logged_to_wandb = config["logger"].get("kind") == "wandb"

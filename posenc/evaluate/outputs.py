@@ -6,6 +6,7 @@ Split from ``runner.py`` (which computes the results) so that each stays short; 
 from __future__ import annotations
 
 import csv
+import io
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +21,7 @@ from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO
 from posenc.evaluate.mqar import console_lines as mqar_lines
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
-from posenc.jsonio import dumps
+from posenc.jsonio import DiskFullError, write_json, write_text
 
 TASK_NAMES = ("passkey", "copy", *RETRIEVAL_TASKS)
 
@@ -29,11 +30,15 @@ def replace_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) 
     """``write_outputs`` into a fresh folder that then replaces ``out_dir`` whole.
 
     No file of an earlier evaluation (a plot, a CSV of a length no longer asked for) survives next to the new ones.
+    A full disk names the file as it would have been in ``out_dir``, and leaves ``out_dir`` as it was.
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        images = write_outputs(results, staging, plots=plots)
+        try:
+            images = write_outputs(results, staging, plots=plots)
+        except DiskFullError as full:
+            raise DiskFullError(out_dir / full.path.relative_to(staging), full.needed, full.free) from None
         previous = out_dir.with_name(f".{out_dir.name}.previous")
         shutil.rmtree(previous, ignore_errors=True)
         if out_dir.exists():
@@ -48,7 +53,7 @@ def replace_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) 
 def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
     """results.json, CSVs and PNGs under ``out_dir``; returns the PNGs written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / RESULTS_FILE).write_text(dumps(results, indent=1))
+    write_json(out_dir / RESULTS_FILE, results, indent=1)
     label, train_len = results["label"], results["train_len"]
     images: list[Path] = []
     if "perplexity" in results:
@@ -134,10 +139,11 @@ def _write_csv(path: Path, rows: list[dict[str, Any]], exclude: set[str] = froze
     if not rows:
         return
     fields = [key for key in rows[0] if key not in exclude]
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(path, text.getvalue())
 
 
 def print_results(results: dict[str, Any]) -> None:

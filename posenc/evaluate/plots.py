@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -13,6 +14,19 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # before pyplot: plots are written to files, there is no display
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
+
+from posenc.jsonio import write_bytes
+
+
+def save_figure(fig: Figure, path: Path, dpi: int) -> None:
+    """Render ``fig`` in memory, write it atomically (``posenc.jsonio.write_bytes``) and close it."""
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, format=path.suffix.lstrip(".") or "png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    write_bytes(path, image.getbuffer())
 
 
 def smooth(values: Sequence[float], bins: int = 64) -> tuple[np.ndarray, np.ndarray]:
@@ -43,9 +57,7 @@ def plot_lines(
     A band is None, half-widths around y, or (lows, highs).
     """
     fig, _ = line_figure(series, title, xlabel, ylabel, train_len, logx, logy, include, min_span, ylim, references)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 
@@ -146,9 +158,7 @@ def plot_heatmap(
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
     return path
 
 
@@ -183,7 +193,5 @@ def plot_heatmap_grid(
                 ax.set_ylabel(ylabel, fontsize=8)
         fig.colorbar(image, ax=list(axes[r]), shrink=0.8)
     fig.suptitle(title, fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import platform
 import tarfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 from posenc.gpu.runner import Step
+from posenc.jsonio import write_bytes
 
 MAX_FILES = 8
 MAX_BYTES = 16 * 2**20
@@ -32,19 +31,6 @@ SUMMARY_FILES = ("summary.json", "summary.md", "outputs.tar.gz")
 SKIP_DIRS = {"cache", "site", "checkpoints", "__pycache__", "gpu-image"}
 SKIP_SUFFIXES = {".ckpt", ".pt", ".bin", ".safetensors", ".whl"}
 MAX_MEMBER_BYTES = 4 * 2**20
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a file beside it and a rename: a reader sees the old file or the new one."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    try:
-        with temporary.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        temporary.replace(path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def environment() -> dict[str, str]:
@@ -113,15 +99,15 @@ def write(out: Path, work: Path, steps: list[Step], meta: dict) -> list[str]:
     if len(packed) > MAX_BYTES:  # keep the logs and the records, drop the rest
         record.setdefault("extra", []).append("outputs.tar.gz held too much: only the logs came back in it")
         packed = tarball(work / "logs")
-    write_atomically(out / "summary.json", (json.dumps(record, indent=2, default=str) + "\n").encode())
-    write_atomically(out / "summary.md", markdown(record).encode())
-    write_atomically(out / "outputs.tar.gz", packed)
+    write_bytes(out / "summary.json", (json.dumps(record, indent=2, default=str) + "\n").encode())
+    write_bytes(out / "summary.md", markdown(record).encode())
+    write_bytes(out / "outputs.tar.gz", packed)
     names = list(SUMMARY_FILES)
     for step in steps:
         log = work / "logs" / f"{step.name}.log"
         if step.ended_badly and log.exists() and len(names) < MAX_FILES:
             data = log.read_bytes()[-MAX_BYTES:]
-            write_atomically(out / log.name, data)
+            write_bytes(out / log.name, data)
             names.append(log.name)
     for stale in out.glob("*.log"):  # a log an earlier write put there for a step that has since passed
         if stale.name not in names:

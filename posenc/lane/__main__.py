@@ -21,8 +21,10 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from posenc.jsonio import write_text
 from posenc.lane import version_mismatch
 from posenc.lane.gpus import GPUS
 
@@ -212,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(markdown(rows), end="")
     if args.markdown:
-        with open(args.markdown, "w") as file:
-            file.write(markdown(rows))
+        write_text(Path(args.markdown), markdown(rows))
     found = failures(rows)
     for line in found:
         print(f"FAILED {line}", file=sys.stderr)

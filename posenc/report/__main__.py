@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from posenc.jsonio import DiskFullError
 from posenc.report import __doc__ as about
 from posenc.report.build import build_report
 from posenc.report.collect import find_results, results_from_wandb
@@ -60,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not results and unreadable:
         raise SystemExit(f"no readable results: {unreadable[0]}. Re-run `python -m posenc.evaluate <run>` for it")
     for problem in unreadable:
-        print(f"skipped unreadable {problem}", file=sys.stderr)
+        print(f"left out (named in report.md): {problem}", file=sys.stderr)
     if args.wandb:
         results += results_from_wandb(args.wandb, args.group)
     if args.study:
@@ -71,8 +73,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     first = Path(args.paths[0]) if args.paths else None
     out_dir = args.out or (first if first is not None and first.is_dir() else Path("report"))
-    print(
-        build_report(
+    try:
+        markdown = build_report(
             results,
             out_dir,
             make_plots=not args.no_plots,
@@ -84,8 +86,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "ppl_ratio": args.ppl_ratio,
                 "acc_fraction": args.acc_fraction,
             },
+            left_out=unreadable,
         )
-    )
+    except DiskFullError as full:
+        again = shlex.join(["python", "-m", "posenc.report", *(argv if argv is not None else sys.argv[1:])])
+        raise SystemExit(f"posenc.report: {full}; report.md is as it was. Free space, then: {again}") from None
+    print(markdown)
     print(f"wrote {out_dir / 'report.md'}")
 
 

@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from posenc.data.retrieval import RETRIEVAL_TASKS
+from posenc.jsonio import DiskFullError, write_text
 from posenc.report.attention import attention_tables
 from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
@@ -73,8 +74,12 @@ def build_report(
     paired: tuple[str, str] | None = None,
     thresholds: dict[str, float | None] | None = None,
     write: bool = True,
+    left_out: list[str] | None = None,
 ) -> str:
     """Write report.md (and plots) to ``out_dir``; return the markdown (``write=False``: the plots only).
+
+    ``left_out`` names the records that could not be read (``find_results``' ``unreadable``: ``file: why``); the
+    report lists them first, so that a column with fewer runs than launched says why on the page itself.
 
     Failed runs are listed apart and never counted. Unfinished runs (their weights stopped before
     ``trainer.max_steps``) are listed apart too, unless ``include_unfinished``: then they are columns of their
@@ -97,6 +102,9 @@ def build_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     counted = f"{len(results)} evaluated run(s)" + (" (unfinished ones included)" if include_unfinished else "")
     sections = ["# posenc extrapolation report", "", counted + "."]
+    if left_out:
+        sections += ["", f"## Left out: {len(left_out)} record(s) that could not be read", ""]
+        sections += [f"- {problem}" for problem in left_out]
     if failed:
         sections += ["", f"## Failed runs ({len(failed)}, not counted in any column)", ""]
         sections += [
@@ -122,7 +130,7 @@ def build_report(
     sections += appendix.lines()
     markdown = "\n".join(sections).rstrip() + "\n"
     if write:
-        (out_dir / "report.md").write_text(markdown)
+        write_text(out_dir / "report.md", markdown)
     return markdown
 
 
@@ -134,11 +142,15 @@ class ReportOnSweepEnd(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        results = find_results([sweep_dir])
+        unreadable: list[str] = []
+        results = find_results([sweep_dir], unreadable)
         if not results:
             print(f"posenc.report: no results.json under {sweep_dir}; nothing to report")
             return
-        print(build_report(results, sweep_dir))
+        try:
+            print(build_report(results, sweep_dir, left_out=unreadable))
+        except DiskFullError as full:
+            raise SystemExit(f"posenc.report: {full}. Free space, then: python -m posenc.report {sweep_dir}") from None
         print(f"wrote {sweep_dir / 'report.md'}")
         wandb = sys.modules.get("wandb")  # imported only when a W&B logger ran in this process
         if wandb is not None and getattr(wandb, "run", None) is not None:

@@ -15,12 +15,13 @@ def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = Non
     """Load every results.json under ``paths`` (files or directories, searched recursively), and every failed run.
 
     A failed run (``failed.json``: it stopped on a non-finite loss) comes back as ``{"failed": reason, ...}`` and is
-    listed apart, never pooled. A file that cannot be read is skipped and named in ``unreadable``.
+    listed apart, never pooled. A file that cannot be read is skipped and named in ``unreadable`` with the reason.
+    Hidden folders are not searched: they hold an evaluation being written (``posenc/evaluate/outputs.py``).
     """
     found: list[dict[str, Any]] = []
     for raw in paths:
         path = Path(raw)
-        files = [path] if path.is_file() else sorted(path.rglob(RESULTS_FILE))
+        files = [path] if path.is_file() else _visible(path, path.rglob(RESULTS_FILE))
         for file in files:
             try:
                 data = json.loads(file.read_text())
@@ -28,19 +29,32 @@ def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = Non
                     raise ValueError("not a posenc results file")
             except (OSError, UnicodeDecodeError, ValueError) as err:
                 if unreadable is not None:
-                    unreadable.append(f"{file}: {err}")
+                    unreadable.append(f"{file}: {_why(err)}")
                 continue
             data["_source"] = str(file)
             data.setdefault("training", _recorded_training(file))
             found.append(data)
-        for file in [] if path.is_file() else sorted(path.rglob(FAILED_FILE)):
+        for file in [] if path.is_file() else _visible(path, path.rglob(FAILED_FILE)):
             try:
                 record = json.loads(file.read_text())
                 found.append({"failed": record["reason"], "run_name": record["run_name"], "_source": str(file)})
             except (OSError, UnicodeDecodeError, ValueError, KeyError) as err:
                 if unreadable is not None:
-                    unreadable.append(f"{file}: {err}")
+                    unreadable.append(f"{file}: {_why(err)}")
     return found
+
+
+def _visible(root: Path, files: Iterable[Path]) -> list[Path]:
+    return sorted(file for file in files if not any(part.startswith(".") for part in file.relative_to(root).parts))
+
+
+def _why(err: Exception) -> str:
+    """Why a record was left out, in the words the report prints."""
+    if isinstance(err, json.JSONDecodeError):
+        return f"cut short or damaged JSON ({err})"
+    if isinstance(err, KeyError):
+        return f"no {err} in it"
+    return str(err)
 
 
 def _recorded_training(results_file: Path) -> dict[str, Any]:

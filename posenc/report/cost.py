@@ -140,7 +140,7 @@ def cost_points(by_label: Columns) -> tuple[list[dict[str, Any]], str]:
 
 def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
     """One PNG per (training length, mode): each column a point with its seed interval as an error bar."""
-    from posenc.evaluate.plots import line_figure, plt  # matplotlib only when plotting
+    from posenc.evaluate.plots import line_figure, plt, save_figure  # matplotlib only when plotting
 
     images = []
     for key, by_label in sorted(groups.items(), key=lambda item: str(item[0])):
@@ -177,9 +177,7 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
         low, high = min(p["throughput"] for p in points), max(p["throughput"] for p in points)
         ax.set_xlim(low - 0.05 * max(high - low, 0.2), high + 0.05 * max(high - low, 0.2))
         path = out_dir / f"cost_vs_extrapolation_{suffix(key)}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path, dpi=120)
         images.append(path)
     return images
 

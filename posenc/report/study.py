@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posenc.jsonio import write_text
 from posenc.report.build import build_report
 from posenc.report.collect import find_results
 from posenc.report.common import run_dir
@@ -172,9 +173,7 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
         kept = text.split(END, 1)[1].lstrip("\n") if END in text else ""
     document = "\n".join([*header(name, STUDIES[name], results, out), BEGIN, *generated(markdown, name), END, ""])
     document += ("\n" + kept) if kept else ""
-    temporary = out.with_name(f".{out.name}.tmp")
-    temporary.write_text(document)
-    temporary.replace(out)
+    write_text(out, document)
     return document
 
 

@@ -6,7 +6,10 @@ run "finished", "failed" or "resumable" is decided once:
 - ``records``: the files a run directory holds (``done.json``, ``failed.json``, ``run.json``, ``wandb_id``) and
   ``RunError``, the one-line message for a user;
 - ``checks``: what a config must satisfy before anything is built or written;
-- ``checkpoints``: building the data, the run's identity and the trained module from a saved run.
+- ``checkpoints``: building the data, the run's identity and the trained module from a saved run, which
+  checkpoint a resume starts from, and the line a full disk ends a run with;
+- ``checkpoint_io``: how Lightning writes checkpoints (atomically, the one before kept); imported by the training
+  loop only, since it needs Lightning.
 """
 
 from posenc.runs.checkpoints import (
@@ -14,6 +17,8 @@ from posenc.runs.checkpoints import (
     build_datamodule,
     check_consistency,
     checkpoint_training,
+    disk_full_message,
+    last_good_checkpoint,
     load_checkpoint,
     load_module,
     read_checkpoint,
@@ -35,6 +40,7 @@ from posenc.runs.records import (
     CHECKPOINT,
     DONE_FILE,
     FAILED_FILE,
+    PREVIOUS_CHECKPOINT,
     RUN_FILE,
     WANDB_ID_FILE,
     RunError,
@@ -55,6 +61,7 @@ __all__ = [
     "DONE_FILE",
     "EVALUATE_USAGE",
     "FAILED_FILE",
+    "PREVIOUS_CHECKPOINT",
     "RUNTIME_KEYS",
     "RUN_FILE",
     "WANDB_ID_FILE",
@@ -66,10 +73,12 @@ __all__ = [
     "check_model",
     "checkpoint_training",
     "config_problems",
+    "disk_full_message",
     "eval_problems",
     "experiment_settings",
     "global_batch",
     "global_rank",
+    "last_good_checkpoint",
     "load_checkpoint",
     "load_module",
     "now",

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig, OmegaConf
 
 from posenc.config import to_container
-from posenc.runs.records import CHECKPOINT, RUN_FILE, RunError, read_json, training_record
+from posenc.jsonio import DiskFullError, free_bytes, size
+from posenc.runs.records import CHECKPOINT, PREVIOUS_CHECKPOINT, RUN_FILE, RunError, read_json, training_record
 
 if TYPE_CHECKING:
     from posenc.data.datamodule import TaskDataModule, TextDataModule
@@ -130,13 +131,55 @@ def load_module(checkpoint: Path, device: str, attention: str | None) -> tuple[L
 
 
 def resume_checkpoint(resume: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint ``resume`` names (``last``: this run's own), or ``None`` to start fresh."""
+    """The checkpoint ``resume`` names (``last``: this run's own, see ``last_good_checkpoint``), or ``None``."""
     if resume is None:
         return None
-    path = run_dir / CHECKPOINT if resume == "last" else Path(resume)
-    if not path.is_file():
-        raise RunError(f"resume={resume}: there is no checkpoint at {path}")
+    path = last_good_checkpoint(run_dir) if resume == "last" else Path(resume)
+    if path is None or not path.is_file():
+        raise RunError(f"resume={resume}: there is no checkpoint at {path or run_dir / CHECKPOINT}")
     return path
+
+
+def last_good_checkpoint(run_dir: Path, announce: bool = True) -> Path | None:
+    """``last.ckpt``, or ``last-previous.ckpt`` when ``last.ckpt`` is missing or unreadable (said in one line).
+
+    A checkpoint posenc writes is whole or absent, but a file can still be damaged afterwards (a copy cut short,
+    a disk error, a checkpoint of an older posenc that a full disk truncated); the one before it is kept for that.
+    ``None`` when the run has neither: it starts afresh.
+    """
+    last, previous = run_dir / CHECKPOINT, run_dir / PREVIOUS_CHECKPOINT
+    if not previous.is_file():
+        return last if last.is_file() else None  # an unreadable one fails with its own line where it is read
+    problem = f"{last} is missing"
+    if last.is_file():
+        try:
+            read_checkpoint(last)
+            return last
+        except RunError as err:
+            problem = str(err).split(": it is truncated")[0]
+    try:
+        step = read_checkpoint(previous)[0]
+    except RunError:
+        raise RunError(f"{problem}, and so is {previous}, the one before it: delete both to start afresh") from None
+    if announce:
+        print(f"{problem}: resuming from the checkpoint before it, {previous} (step {step})")
+    return previous
+
+
+def disk_full_message(full: OSError, run_dir: Path, resume_command: str) -> str:
+    """The one line for a run stopped by a full disk: the file, the space, the checkpoint kept, how to go on."""
+    if isinstance(full, DiskFullError):
+        what = str(full)
+    else:  # written by a library (a logger), which does not say how much it needed
+        what = f"the disk is full: could not write {full.filename or run_dir} ({size(free_bytes(run_dir))} free)"
+    try:
+        checkpoint = last_good_checkpoint(run_dir, announce=False)
+        step = read_checkpoint(checkpoint)[0] if checkpoint is not None else None
+    except RunError:
+        step = None
+    if step is None:
+        return f"{what}; no checkpoint was kept. Free space, then run the same command again"
+    return f"{what}; kept {checkpoint} (step {step}). Free space, then resume with: {resume_command}"
 
 
 EVALUATE_USAGE = (

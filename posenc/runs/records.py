@@ -2,7 +2,8 @@
 
 A run directory holds:
 
-- ``.hydra/config.yaml``: the composed config; ``checkpoints/last.ckpt``: the latest checkpoint;
+- ``.hydra/config.yaml``: the composed config; ``checkpoints/last.ckpt``: the latest checkpoint, and
+  ``checkpoints/last-previous.ckpt`` the one before it, what a resume falls back on if the latest cannot be read;
 - ``run.json``: the summary (steps, tokens, eval figures), refreshed when the run is re-evaluated;
 - ``done.json``: written last, the mark of a complete run (a relaunched sweep skips it);
 - ``failed.json``: why a run stopped (a non-finite loss); a relaunch retries it and the report lists it apart;
@@ -21,13 +22,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from posenc.jsonio import dumps
+from posenc.jsonio import write_json, write_text
 
 DONE_FILE = "done.json"
 FAILED_FILE = "failed.json"
 RUN_FILE = "run.json"
 WANDB_ID_FILE = "wandb_id"
 CHECKPOINT = Path("checkpoints") / "last.ckpt"
+PREVIOUS_CHECKPOINT = CHECKPOINT.with_name("last-previous.ckpt")
 
 
 class RunError(SystemExit):
@@ -36,14 +38,6 @@ class RunError(SystemExit):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Markers and records
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write, then rename: a killed process never leaves a half-written record."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(dumps(data))
-    partial.replace(path)
 
 
 def read_json(path: Path) -> Any:
@@ -111,8 +105,7 @@ def wandb_id(run_dir: Path) -> str:
     if path.is_file():
         return path.read_text().strip()
     run_id = secrets.token_hex(8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(run_id)
+    write_text(path, run_id)
     return run_id
 
 
