@@ -6,7 +6,8 @@ run "finished", "failed" or "resumable" is decided once:
 - ``records``: the files a run directory holds (``done.json``, ``failed.json``, ``run.json``, ``wandb_id``) and
   ``RunError``, the one-line message for a user;
 - ``checks``: what a config must satisfy before anything is built or written;
-- ``checkpoints``: building the data, the run's identity and the trained module from a saved run.
+- ``checkpoints``: building the data, the run's identity and the trained module from a saved run;
+- ``lineage``: starting a run from another run's weights (``init_from``) and recording what carried over.
 """
 
 from posenc.runs.checkpoints import (
@@ -31,6 +32,7 @@ from posenc.runs.checks import (
     experiment_settings,
     validate,
 )
+from posenc.runs.lineage import Parent, inherit, lineage_tags, load_parent_weights
 from posenc.runs.records import (
     CHECKPOINT,
     DONE_FILE,
@@ -58,6 +60,7 @@ __all__ = [
     "RUNTIME_KEYS",
     "RUN_FILE",
     "WANDB_ID_FILE",
+    "Parent",
     "RunError",
     "build_datamodule",
     "check_consistency",
@@ -70,8 +73,11 @@ __all__ = [
     "experiment_settings",
     "global_batch",
     "global_rank",
+    "inherit",
+    "lineage_tags",
     "load_checkpoint",
     "load_module",
+    "load_parent_weights",
     "now",
     "read_checkpoint",
     "read_json",
