@@ -196,3 +196,44 @@ def test_training_time_scaling_needs_a_scheme_that_stretches(tmp_path: Path) -> 
             tmp_path / "run",
         )
     assert not (tmp_path / "run").exists()
+
+
+def test_report_reads_the_lineage_of_a_re_evaluated_run_from_its_run_json(tmp_path: Path) -> None:
+    from posenc.report.finetuned import finetuned_tables
+
+    def write(path: Path, data: dict) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data))
+        return path
+
+    def result(run_name: str, label: str, train_len: int, ppl: dict[int, float]) -> dict:
+        rows = [{"length": length, "ppl": value} for length, value in ppl.items()]
+        return {"run_name": run_name, "label": label, "train_len": train_len, "perplexity": rows}
+
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    write(parent / "eval" / "results.json", result("rope-L64-s0", "rope", 64, {64: 10.0, 256: 90.0}))
+    lineage = {
+        "parent_run_dir": str(parent),
+        "parent_run_name": "rope-L64-s0",
+        "parent_scheme": "rope",
+        "parent_seq_len": 64,
+        "parent_step": 600,
+        "changed": {
+            "seq_len": {"from": 64, "to": 256},
+            "context_scaling": {"from": None, "to": {"method": "pi", "factor": 4, "original_length": 64}},
+        },
+        "copied": ["a", "b"],
+        "fresh": [],
+        "dropped": ["c"],
+    }
+    write(child / "run.json", {"lineage": lineage})
+    # A re-evaluation (python -m posenc.evaluate) writes results without the lineage; run.json still has it.
+    source = write(child / "eval" / "results.json", result("rope-L256-s0", "rope", 256, {256: 11.0, 1024: 12.5}))
+    text = finetuned_tables([{**json.loads(source.read_text()), "_source": str(source)}])
+    rows = [line for line in text.splitlines() if line.startswith("| rope")]
+    assert rows[0].startswith("| rope-L64-s0 (parent) | 64 | ? | — | — | 10.00 | 90.00 |  |")
+    assert rows[1] == (
+        "| rope-L256-s0 (rope) | 256 | ? | seq_len 64 → 256; training scaling none → pi×4 from 64 | "
+        "2 copied, 0 fresh, 1 dropped |  | 11.00 | 12.50 |"
+    )
+    assert "from rope-L64-s0 (rope at 64 tokens, step 600)" in text
