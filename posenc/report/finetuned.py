@@ -90,9 +90,19 @@ def _steps(result: Mapping[str, Any]) -> str:
     return "?" if steps is None else str(steps)
 
 
-def _row(result: Mapping[str, Any], lineage: Mapping[str, Any] | None, lengths: list[int]) -> str:
+def _names(rows: list[tuple[Mapping[str, Any], Mapping[str, Any] | None]]) -> list[str]:
+    """Each row's run: its run name and scheme (or "parent"), with its directory's name where run names repeat."""
+    names = [str(result.get("run_name") or result["label"]) for result, _ in rows]
+    out = []
+    for name, (result, lineage) in zip(names, rows, strict=True):
+        if names.count(name) > 1 and result.get("_source"):
+            name += f" · {Path(run_dir(dict(result))).name}"
+        out.append(f"{name} ({'parent' if lineage is None else result['label']})")
+    return out
+
+
+def _row(name: str, result: Mapping[str, Any], lineage: Mapping[str, Any] | None, lengths: list[int]) -> str:
     """One run's row: the parent's says so; a fine-tuned run's says what it changed and what carried over."""
-    name = f"{result.get('run_name') or result['label']} ({'parent' if lineage is None else result['label']})"
     changed, weights = "—", "—"
     if lineage is not None:
         changed = changes(lineage)
@@ -138,9 +148,10 @@ def finetuned_tables(results: Results, appendix: Appendix | None = None) -> str:
             lines.append("")
         lines.append("| run | trained at | steps | changed | weights | " + " | ".join(map(str, lengths)) + " |")
         lines.append("|---|---:|---:|---|---|" + "---:|" * len(lengths))
-        lines += [_row(result, lineage, lengths) for result, lineage in rows]
+        names = _names(rows)
+        lines += [_row(name, result, lineage, lengths) for name, (result, lineage) in zip(names, rows, strict=True)]
         if appendix is not None:
             appendix.add(
-                f"Fine-tuned runs, {title}", {str(r.get("run_name") or r["label"]): [dict(r)] for r, _ in rows}
+                f"Fine-tuned runs, {title}", {name: [dict(r)] for name, (r, _) in zip(names, rows, strict=True)}
             )
     return "\n".join(lines)
