@@ -139,7 +139,8 @@ class Decoder(nn.Module):
     ``encoding`` is a scheme name (``"alibi"``), a stack (``"rope+alibi"``), a per-layer schedule cycled over
     the layers (``["rope", "rope", "rope", "nope"]``: layer i gets entry i mod 4), a config mapping
     ``{"name": ..., **options}`` (flat options for one scheme; keyed by member name for stacks and schedules),
-    or a built ``PositionalEncoding`` shared by every layer.
+    or a built ``PositionalEncoding`` shared by every layer. ``context_scaling`` (``{method, factor,
+    original_length}``) stretches its rotary schemes for training at a longer length (``_scale_context``).
     """
 
     def __init__(
@@ -154,6 +155,7 @@ class Decoder(nn.Module):
         attention: str = "auto",
         tie_embeddings: bool = True,
         init: str = "gpt2",
+        context_scaling: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if dim % heads:
@@ -178,6 +180,7 @@ class Decoder(nn.Module):
             self._init_gpt2(depth, tie_embeddings)
         if tie_embeddings:
             self.head.weight = self.token_embedding.weight
+        self.context_scaling = self._scale_context(context_scaling) if context_scaling else None
 
     def _init_gpt2(self, depth: int, tie_embeddings: bool) -> None:
         """GPT-2's initialisation of the backbone: std 0.02, residual projections scaled by 1/√(2·depth).
@@ -197,6 +200,31 @@ class Decoder(nn.Module):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * depth))
         if not tie_embeddings:
             nn.init.normal_(self.head.weight, std=0.02)
+
+    def _scale_context(self, scaling: Mapping[str, Any]) -> dict[str, Any]:
+        """Stretch the schemes that can be (RoPE) for training, as ``eval.rope_scaling`` does for an evaluation.
+
+        Position interpolation (Chen et al., 2023, §3) and YaRN (Peng et al., 2024, §4) fine-tune with the scaling
+        already applied. Built into the model, it holds in training, in the checkpoint's rebuilt model and in every
+        later evaluation alike.
+        """
+        missing = [key for key in ("method", "factor", "original_length") if scaling.get(key) is None]
+        if missing:
+            raise ValueError(
+                f"model.context_scaling={dict(scaling)} lacks {', '.join(missing)}: give all three, e.g. "
+                "model.context_scaling={method:yarn,factor:4,original_length:64}"
+            )
+        method, factor, original_length = (
+            str(scaling["method"]),
+            float(scaling["factor"]),
+            int(scaling["original_length"]),
+        )
+        encodings = {id(e): e for e in [self.input_encoding, *self.layer_encodings] if e is not None}.values()
+        if not any([encoding.set_context_scaling(method, factor, original_length) for encoding in encodings]):
+            raise ValueError(
+                f"model.context_scaling needs a scheme that can be stretched (RoPE); {self.label} has none"
+            )
+        return {"method": method, "factor": factor, "original_length": original_length}
 
     @staticmethod
     def _build_encodings(

@@ -5,8 +5,9 @@ evaluation (perplexity at 1×…32× the training length, printed and written to
 run writes lands in its directory under ``outputs/``: the resolved config, checkpoints, logs, ``run.json``, and
 last ``done.json``, the mark of a complete run. ``-m`` runs a sweep (``sweeps/``, ``posenc/sweep.py``).
 
-Every value is checked before any work (``posenc.runs.validate``): a bad input ends with one line saying what to
-do, and leaves no run directory behind. The training loop itself is ``posenc/training.py``.
+Every value is checked before any work (``posenc.runs.validate``, and ``posenc.runs.inherit`` for a run that starts
+from another's weights with ``init_from``): a bad input ends with one line saying what to do, and leaves no run
+directory behind. The training loop itself is ``posenc/training.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, MissingMandatoryValue, open_dict
 
 from posenc.config import CONF_DIR, remove_if_only_bookkeeping, require_encoding, to_container
-from posenc.runs import CHECKPOINT, DONE_FILE, FAILED_FILE, RunError, validate
+from posenc.runs import CHECKPOINT, DONE_FILE, FAILED_FILE, RunError, inherit, validate
 from posenc.sweep import job_state, join_submitit_tasks, wandb_group, wandb_run_id
 
 
@@ -37,9 +38,10 @@ def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> 
     except MissingMandatoryValue as err:
         raise RunError(f"{err.full_key} must be set (e.g. {_example(err.full_key)})") from None
     validate(config)
+    parent = inherit(config)  # init_from: what carries over is decided (or refused) before any work
     from posenc.training import fit  # Lightning is imported only for a config that can run
 
-    return fit(config, run_dir, resume_command)
+    return fit(config, run_dir, resume_command, parent)
 
 
 def _example(key: str) -> str:

@@ -36,11 +36,14 @@ from posenc.loggers import build_loggers, finish_loggers
 from posenc.runs import (
     CHECKPOINT,
     RUN_FILE,
+    Parent,
     RunError,
     build_datamodule,
     check_data,
     disk_full_message,
     global_batch,
+    lineage_tags,
+    load_parent_weights,
     read_checkpoint,
     resume_checkpoint,
     run_info,
@@ -250,8 +253,16 @@ class SaveOnInterrupt(Callback):
             print(f"  {self.resume_command}")
 
 
-def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None) -> dict[str, Any]:
+def fit(
+    config: dict[str, Any],
+    run_dir: Path,
+    resume_command: str | None = None,
+    parent: tuple[Parent, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Train one run into ``run_dir`` with a validated, resolved config; return its summary (``run.json``).
+
+    ``parent`` (``posenc.runs.inherit``: a run with ``init_from``) is the checkpoint whose backbone the model starts
+    from and the lineage recorded with the run; a resumed run takes its weights from its own checkpoint instead.
 
     Ends by writing ``run_dir/done.json`` on rank zero, after the evaluation and the loggers: a run without it
     did not finish, which is how a relaunched sweep tells what to skip. A non-finite loss stops the run with
@@ -278,6 +289,17 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
     seq_len = config["data"]["seq_len"]
     tags = [label, f"L{seq_len}", f"seed{config['seed']}", *module.model.scheme_names]
     logged_config = {**config, "label": label, "data_info": data_info}
+    if parent is not None:
+        checkpoint, lineage = parent
+        if resume is None:
+            load_parent_weights(module.model, checkpoint, lineage)
+            print(
+                f"init_from: {len(lineage['copied'])} tensors copied from {checkpoint.checkpoint} (step "
+                f"{checkpoint.step}); fresh: {', '.join(lineage['fresh']) or 'none'}; dropped: "
+                f"{', '.join(lineage['dropped']) or 'none'}"
+            )
+        info["lineage"] = logged_config["lineage"] = lineage
+        tags += lineage_tags(lineage)
     loggers = build_loggers(
         config["logger"], run_dir, config["run_name"], logged_config, tags, resume_step if resume else None
     )

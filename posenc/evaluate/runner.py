@@ -61,6 +61,12 @@ def apply_context_scaling(model: nn.Module, eval_cfg: dict[str, Any], run_info: 
     if tag is None:
         return run_info
     method, factor = eval_cfg["rope_scaling"], float(eval_cfg["rope_scaling_factor"])
+    trained = getattr(model, "context_scaling", None)
+    if trained is not None:  # setting a scaling replaces the one before: the model would lose what it trained with
+        raise ValueError(
+            f"eval.rope_scaling={method} would replace the {trained['method']}×{trained['factor']:g} scaling "
+            f"{run_info['label']} trained with (model.context_scaling): drop eval.rope_scaling"
+        )
     scaled = [
         module.set_context_scaling(method, factor, int(run_info["train_len"]))
         for module in model.modules()

@@ -8,7 +8,8 @@ by the ratio to in-length perplexity, task accuracies, effective lengths and the
 ``--paired A B`` adds a seed-matched comparison of two columns. ``--wandb entity/project``
 builds the same tables from W&B run summaries instead (needs network).
 
-One module per section: ``perplexity``, ``tasks``, ``attention``, ``effective``, ``paired`` (tables), ``plots``
+One module per section: ``perplexity``, ``tasks``, ``attention``, ``effective``, ``paired``, ``finetuned`` (a
+run fine-tuned from another beside its parent) (tables), ``plots``
 and ``cost`` (figures); ``collect``
 finds results, ``build`` assembles ``report.md`` from the sections listed in ``build.SECTIONS`` and
 ``build.FIGURES``, and ``__main__`` is the command line.

@@ -24,6 +24,7 @@ from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
 from posenc.report.cost import cost_plots_of, log_cost_scatter
 from posenc.report.effective import effective_tables
+from posenc.report.finetuned import finetuned_tables
 from posenc.report.paired import paired_section
 from posenc.report.perplexity import group_order, group_runs, perplexity_tables
 from posenc.report.plots import attention_plots, curve_plots, perplexity_plots, task_plots
@@ -55,6 +56,7 @@ SECTIONS: list[Callable[[Results, Appendix], list[str]]] = [
     _text(lambda results, appendix: task_tables(results, appendix=appendix)),
     _text(retrieval_tables),
     _text(attention_tables),
+    _text(finetuned_tables),
 ]
 FIGURES: list[Callable[[Results, Path], list[Path]]] = [
     lambda results, out_dir: perplexity_plots(group_runs(results), out_dir),

@@ -9,7 +9,8 @@ run "finished", "failed" or "resumable" is decided once:
 - ``checkpoints``: building the data, the run's identity and the trained module from a saved run, which
   checkpoint a resume starts from, and the line a full disk ends a run with;
 - ``checkpoint_io``: how Lightning writes checkpoints (atomically, the one before kept); imported by the training
-  loop only, since it needs Lightning.
+  loop only, since it needs Lightning;
+- ``lineage``: starting a run from another run's weights (``init_from``) and recording what carried over.
 """
 
 from posenc.runs.checkpoints import (
@@ -36,6 +37,7 @@ from posenc.runs.checks import (
     experiment_settings,
     validate,
 )
+from posenc.runs.lineage import Parent, inherit, lineage_tags, load_parent_weights
 from posenc.runs.records import (
     CHECKPOINT,
     DONE_FILE,
@@ -65,6 +67,7 @@ __all__ = [
     "RUNTIME_KEYS",
     "RUN_FILE",
     "WANDB_ID_FILE",
+    "Parent",
     "RunError",
     "build_datamodule",
     "check_consistency",
@@ -78,9 +81,12 @@ __all__ = [
     "experiment_settings",
     "global_batch",
     "global_rank",
+    "inherit",
     "last_good_checkpoint",
+    "lineage_tags",
     "load_checkpoint",
     "load_module",
+    "load_parent_weights",
     "now",
     "read_checkpoint",
     "read_json",

@@ -90,6 +90,11 @@ def config_problems(config: Mapping[str, Any]) -> list[str]:
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
         problems.append(f"optim.lr={lr!r} must be a positive number (e.g. optim.lr=1e-3)")
     problems += eval_problems(evaluation)
+    if model.get("context_scaling") and evaluation.get("rope_scaling") is not None:
+        problems.append(
+            "model.context_scaling and eval.rope_scaling both stretch RoPE, and the evaluation's would replace the "
+            "one the model trains with: drop eval.rope_scaling"
+        )
     if not problems and model["dim"] % model["heads"]:
         near = max(model["heads"], round(model["dim"] / model["heads"]) * model["heads"])
         problems.append(
