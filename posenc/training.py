@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from posenc.evaluate import RESULTS_FILE, sliding_dir
 from posenc.evaluate.curve import ValidationAccuracy
+from posenc.evaluate.drift import PositionalDrift, console_lines
 from posenc.evaluate.runner import ExtrapolationEval
 from posenc.lit import DivergedError, LitDecoder
 from posenc.loggers import build_loggers, finish_loggers
@@ -264,6 +265,7 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         ),
         accounting_callback := TokenAccounting(trainer_cfg["max_steps"], resume_step),
         SaveOnInterrupt(run_dir / CHECKPOINT, resume_command or f"resume=last in {run_dir}"),
+        drift := PositionalDrift(trainer_cfg["max_steps"]),
     ]
     if loggers:  # it only logs, and refuses to run without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
@@ -275,12 +277,12 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
     if config["eval"]["at_end"]:
         # Held-out text for language-modelling runs (task runs are scored on their task); picklable, for ddp_spawn.
         stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
-        evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
+        evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task, drift)
         callbacks.append(evaluation)
         # The other protocol from the same run: sliding windows at each stride fixed in advance, beside eval/.
         for fraction in [] if task else config["eval"].get("sliding_fractions") or []:
             sliding = {**config["eval"], "mode": "sliding", "stride": None, "stride_fraction": fraction}
-            callbacks.append(ExtrapolationEval(info, sliding, run_dir / sliding_dir(fraction), stream, task))
+            callbacks.append(ExtrapolationEval(info, sliding, run_dir / sliding_dir(fraction), stream, task, drift))
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         # submitit requeues a job that is running out of time (SaveOnInterrupt saves first); Lightning's own
         # auto-requeue would requeue it a second time, from a checkpoint taken inside its signal handler.
@@ -326,9 +328,12 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
         "val_curve": curve.history if curve is not None else None,
         "eval": _eval_summary(evaluation, run_dir),
+        "positional_drift": (positional_drift := drift.record(module.model)),
     }
     finish_loggers(loggers, success=True)
     if trainer.is_global_zero:
+        for line in console_lines(positional_drift, label):
+            print(line)
         write_json(run_dir / RUN_FILE, summary)
         write_done(run_dir, config, steps)
     return summary

@@ -22,6 +22,7 @@ from posenc.report.attention import attention_tables
 from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
 from posenc.report.cost import cost_plots_of, log_cost_scatter
+from posenc.report.drift import drift_tables, learned_bias_plots
 from posenc.report.effective import effective_tables
 from posenc.report.paired import paired_section
 from posenc.report.perplexity import group_order, group_runs, perplexity_tables
@@ -54,6 +55,7 @@ SECTIONS: list[Callable[[Results, Appendix], list[str]]] = [
     _text(lambda results, appendix: task_tables(results, appendix=appendix)),
     _text(retrieval_tables),
     _text(attention_tables),
+    _text(drift_tables),
 ]
 FIGURES: list[Callable[[Results, Path], list[Path]]] = [
     lambda results, out_dir: perplexity_plots(group_runs(results), out_dir),
@@ -62,6 +64,7 @@ FIGURES: list[Callable[[Results, Path], list[Path]]] = [
     curve_plots,
     attention_plots,
     cost_plots_of,
+    learned_bias_plots,
 ]
 
 
