@@ -328,6 +328,7 @@ def fit(config: dict[str, Any], run_dir: Path, resume_command: str | None = None
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
         "val_curve": curve.history if curve is not None else None,
         "eval": _eval_summary(evaluation, run_dir),
+        "scheme_lr_multiplier": float(config["optim"].get("scheme_lr_multiplier", 1.0)),
         "positional_drift": (positional_drift := drift.record(module.model)),
     }
     finish_loggers(loggers, success=True)

@@ -99,13 +99,16 @@ def test_sampled_distances_are_exact_near_and_log_spaced_far() -> None:
 def test_a_run_records_drift_everywhere_and_evaluation_rebuilds_it(tmp_path: Path, capsys) -> None:
     overrides = [o for o in FAST if not o.startswith(("logger", "trainer.max_steps"))]
     overrides += ["logger=csv", "trainer.log_every_n_steps=1", "trainer.max_steps=10", "optim.warmup_steps=2"]
+    overrides.append("optim.scheme_lr_multiplier=5")
     summary = train(compose_train("+encoding=t5", *overrides), tmp_path)
     record = summary["positional_drift"]
     assert [row["name"] for row in record["tensors"]] == [f"layer{i}.table" for i in range(4)]
     assert record["late_from_step"] == 9 and record["max_total_change"] > record["max_late_change"] > 0
     assert "Positional parameters of t5" in capsys.readouterr().out
-    saved = json.loads((tmp_path / "run.json").read_text())["positional_drift"]
+    run = json.loads((tmp_path / "run.json").read_text())
+    saved = run["positional_drift"]
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert run["scheme_lr_multiplier"] == 5 and results["config"]["optim"]["scheme_lr_multiplier"] == 5
     assert saved == results["positional_drift"] == json.loads(json.dumps(record))
     assert results["summary"]["drift/max_total_change"] == pytest.approx(record["max_total_change"])
     assert results["learned_bias"]["query_position"] == 16 * 4 - 1

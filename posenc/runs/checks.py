@@ -85,6 +85,9 @@ def config_problems(config: Mapping[str, Any]) -> list[str]:
     lr = optim["lr"]
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
         problems.append(f"optim.lr={lr!r} must be a positive number (e.g. optim.lr=1e-3)")
+    multiplier = optim.get("scheme_lr_multiplier", 1.0)
+    if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) or not multiplier > 0:
+        problems.append(f"optim.scheme_lr_multiplier={multiplier!r} must be a positive number (1.0: the model's lr)")
     problems += eval_problems(evaluation)
     if not problems and model["dim"] % model["heads"]:
         near = max(model["heads"], round(model["dim"] / model["heads"]) * model["heads"])
