@@ -121,6 +121,7 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     if results.get("mqar_by_distance"):
         _write_csv(out_dir / "mqar_by_distance.csv", results["mqar_by_distance"])
         _write_csv(out_dir / "mqar_by_query.csv", results["mqar_by_query"])
+        _write_csv(out_dir / "mqar_by_distance_position.csv", results.get("mqar_by_distance_position") or [])
         if plots:
             images.append(mqar_distance_plot(results, out_dir / "mqar_by_distance.png"))
     if "attention_stats" in results:

@@ -22,6 +22,7 @@ from posenc.runs.checkpoints import (
     run_info,
 )
 from posenc.runs.checks import (
+    INTRODUCED,
     RUNTIME_KEYS,
     check_data,
     check_device,
@@ -55,6 +56,7 @@ __all__ = [
     "DONE_FILE",
     "EVALUATE_USAGE",
     "FAILED_FILE",
+    "INTRODUCED",
     "RUNTIME_KEYS",
     "RUN_FILE",
     "WANDB_ID_FILE",

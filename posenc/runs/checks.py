@@ -42,6 +42,12 @@ RUNTIME_KEYS = (
 # What a run is
 
 
+# Settings added after runs were made, each with what a config that lacks it did: a relaunched sweep and the report's
+# pooling read a missing key as that value. An older run scored the head of the split, trained its scheme at the
+# model's lr, and (MQAR) put its key-value block at the window's start.
+INTRODUCED = {"eval.sample": "head", "optim.scheme_lr_multiplier": 1.0, "data.task_options.kv_offset": "zoology"}
+
+
 def experiment_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config as dotted keys, without ``RUNTIME_KEYS``: what must match for a job to skip or resume."""
     flat: dict[str, Any] = {}
