@@ -130,8 +130,8 @@ def eval_problems(evaluation: Mapping[str, Any]) -> list[str]:
                         ("eval.sliding_fractions", evaluation.get("sliding_fractions") or [])):  # fmt: skip
         if any(not _fraction(value) for value in values):
             problems.append(f"{key}={values} must be fractions of the evaluation length in (0, 1], e.g. 0.5")
-    if evaluation.get("sample", "documents") not in ("documents", "head"):
-        problems.append(f"eval.sample={evaluation['sample']!r} must be documents or head")
+    if evaluation.get("sample", "documents") not in ("documents", "head", "long_documents"):
+        problems.append(f"eval.sample={evaluation['sample']!r} must be documents, head or long_documents")
     return problems
 
 
