@@ -11,6 +11,8 @@ Wilson interval of its counts:
   no training window had is read apart from the length of the window around it;
 - ``mqar_by_query``: by the query's rank in its window (first query, second …), where answering later queries by
   elimination would show;
+- ``mqar_windows``: each window's count of right answers, per length (the same windows for every model): what a
+  report's cluster bootstrap over windows and seeds resamples;
 - ``mqar_by_distance_position``: by query–key distance bin × the answer's position bin, pooled over every evaluated
   length (a causal model's answer at position t reads only the t tokens before it, whatever the window's length).
   Where the block sits at the window's start (``kv_offset: zoology``) distance and position are the same thing and
@@ -48,9 +50,19 @@ def _counts_row(right: list[bool]) -> dict[str, Any]:
 
 @torch.no_grad()
 def score_windows(
-    model: nn.Module, length: int, samples: int, rng: np.random.Generator, options: Mapping[str, Any], batch: int
-) -> list[tuple[int, int, bool]]:
-    """(position, query index, distance, right) for every answer of ``samples`` fresh windows of ``length``."""
+    model: nn.Module,
+    length: int,
+    samples: int,
+    rng: np.random.Generator,
+    options: Mapping[str, Any],
+    batch: int,
+    per_window: list[int] | None = None,
+) -> list[tuple[int, int, int, bool]]:
+    """(position, query index, distance, right) for every answer of ``samples`` fresh windows of ``length``.
+
+    ``per_window``, when given, receives each window's count of right answers in window order (the unit a cluster
+    bootstrap resamples: a window's answers share their context).
+    """
     device = next(model.parameters()).device
     out = []
     for start in range(0, samples, batch):
@@ -59,6 +71,8 @@ def score_windows(
         targets = torch.stack([w.targets for w in windows])
         right = (model(inputs.to(device)).argmax(dim=-1).cpu() == targets).tolist()
         for window, row in zip(windows, right, strict=True):
+            if per_window is not None:
+                per_window.append(sum(row[at] for at, _, _ in mqar.answer_geometry(window.inputs, window.targets)))
             out += [
                 (at, index, distance, row[at])
                 for at, index, distance in mqar.answer_geometry(window.inputs, window.targets)
@@ -92,11 +106,14 @@ def evaluate_mqar(
     bins = mqar.distance_bins(train_len, max(lengths))
     was_training = model.training
     model.eval()
-    by_length, by_distance, by_query, pooled = [], [], [], []
+    by_length, by_distance, by_query, pooled, by_window = [], [], [], [], []
     try:
         for length in lengths:
             rng = np.random.default_rng([seed, length, 7])
-            answers = score_windows(model, length, samples, rng, options, max(1, tokens_per_batch // length))
+            right_per_window: list[int] = []
+            batch = max(1, tokens_per_batch // length)
+            answers = score_windows(model, length, samples, rng, options, batch, right_per_window)
+            by_window.append({"length": length, "answers_per_window": num_pairs, "right": right_per_window})
             pooled += answers
             positions = np.array([at for at, _, _, _ in answers])
             distances = np.array([distance for _, _, distance, _ in answers])
@@ -132,6 +149,7 @@ def evaluate_mqar(
         "mqar_by_distance": by_distance,
         "mqar_by_query": by_query,
         "mqar_by_distance_position": distance_position_table(pooled, bins),
+        "mqar_windows": by_window,
     }
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from posenc.report import __doc__ as about
 from posenc.report.build import build_report
 from posenc.report.collect import find_results, results_from_wandb
+from posenc.report.preset import DEFAULT_REFERENCES
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -29,6 +30,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         nargs=2,
         metavar=("A", "B"),
         help="add a paired comparison (matched by seed) of perplexity between columns A and B",
+    )
+    parser.add_argument(
+        "--references",
+        nargs="+",
+        default=list(DEFAULT_REFERENCES),
+        metavar="SCHEME",
+        help="the schemes every column is compared with, fixed in advance (default: alibi nope)",
     )
     for flag, what in (
         ("--ppl-threshold", "effective length, absolute rule: the perplexity every column must stay under"),
@@ -72,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "ppl_ratio": args.ppl_ratio,
                 "acc_fraction": args.acc_fraction,
             },
+            references=args.references,
         )
     )
     print(f"wrote {out_dir / 'report.md'}")
