@@ -44,6 +44,9 @@ def test_pieces_are_whole_longest_windows_inside_the_documents_that_hold_one() -
     assert [end - start for start, end in held.pieces] == [257, 641, 129]  # every whole window each holds
     capped = long_documents_sample(stream, LENGTHS, max_tokens=3 * 128, seed=1)
     assert [end - start for start, end in capped.pieces] == [129, 129, 129]  # one window each fills the budget
+    fewer = long_documents_sample(stream, LENGTHS, max_tokens=2 * 128, seed=1)
+    assert [end - start for start, end in fewer.pieces] == [129, 129]  # two of the three documents, one window each
+    assert len({int(fewer.documents[start]) for start, _ in fewer.pieces}) == 2
     record = held.describe(sum(end - start - 1 for start, end in held.pieces))
     assert record["documents"] == [1, 3, 4] and record["tokens"] == [256, 640, 128]
     assert record["qualifying"] == {"16": 5, "32": 5, "64": 3, "128": 3} and record["too_short"] == 3

@@ -15,7 +15,8 @@ several documents, as a window of the whole stream spans several short files.
 whether longer context helps is measured rather than assumed. Only documents of at least ``window`` + 1 tokens take
 part (``window``: the longest evaluation length, a multiple of every other); each gives ``pieces`` (one piece a
 document), each piece a whole number of longest windows plus the first input, at most ``cap`` tokens, ``cap`` the
-smallest that fills the budget; the evaluation scores each piece on its own (``posenc/evaluate/heldout.py``). The
+smallest that fills the budget (a budget of fewer windows than such documents takes one window from each of a
+seeded choice of them); the evaluation scores each piece on its own (``posenc/evaluate/heldout.py``). The
 record says how many documents of the split could hold a window of each evaluated length and how many were too short
 for the longest.
 """
@@ -136,8 +137,11 @@ def long_documents_sample(
         empty = np.zeros(0, dtype=stream.dtype)
         return HeldOut(empty, np.zeros(0, dtype=np.int64), "long_documents", None, [], qualifying, len(bounds))
     budget = sum(windows.values()) if max_tokens is None else max(1, max_tokens // window)
-    most = piece_cap(list(windows.values()), budget)  # windows from one document, at most
     rng = np.random.default_rng([seed, len(stream)])
+    if budget < len(windows):  # fewer windows than documents: a seeded choice of documents, one window each
+        chosen = sorted(rng.choice(sorted(windows), size=budget, replace=False).tolist())
+        windows = {index: windows[index] for index in chosen}
+    most = piece_cap(list(windows.values()), budget)  # windows from one document, at most
     pieces, owners, spans, at = [], [], [], 0
     for index, count in windows.items():
         start, size = bounds[index][0], contents[index]
