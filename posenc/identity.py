@@ -21,16 +21,15 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from posenc.config import CONF_DIR
-from posenc.runs import DONE_FILE, experiment_settings, read_json
+from posenc.runs import DONE_FILE, INTRODUCED, experiment_settings, read_json
 
 # Never part of an identity: the seed is what is pooled over; paths name where data lies (the fingerprint says
 # what it is); the training config's own eval section is replaced by the settings the results were made with.
 NOT_IDENTITY = ("seed", "data.corpus_options.paths", "eval", "label", "data_info")
 # Evaluation settings that change how, not what, is computed (sliding_fractions adds evaluations of their own).
 EVAL_RUNTIME = ("plots", "at_end", "tokens_per_batch", "sliding_fractions")
-# Settings added after results were written whose default is not what those results did: a result that does not
-# record one did this (it scored the head of the split), so it never pools with a result that scored every document.
-INTRODUCED = {"eval.sample": "head"}
+# Settings added after results were written (``posenc.runs.INTRODUCED``): a result that does not record one did what
+# that says (it scored the head of the split), so it never pools with a result that scored every document.
 # What every results.json holds besides settings: identity, figures, bookkeeping.
 RESULT_FIELDS = {
     "label",

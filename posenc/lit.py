@@ -14,7 +14,6 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from posenc.compiling import compile_blocks, should_compile
-from posenc.encodings.base import PositionalEncoding
 from posenc.model import Decoder
 
 
@@ -143,24 +142,26 @@ class LitDecoder(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         # No weight decay on norms, biases or scheme parameters (slopes, kernel parameters, bias tables):
-        # decaying a distance-decay rate towards 0 would push every scheme towards NoPE.
-        scheme_params = {
-            id(p) for m in self.model.modules() if isinstance(m, PositionalEncoding) for p in m.parameters()
-        }
+        # decaying a distance-decay rate towards 0 would push every scheme towards NoPE. Scheme parameters get a group
+        # of their own at lr × optim.scheme_lr_multiplier: an Adam step moves a weight by about its learning rate, so
+        # with the model's lr a short run cannot carry a bias table far from its initialisation.
+        scheme = self.model.scheme_parameters()
+        scheme_ids = {id(p) for p in scheme.values()}
         decay, no_decay = [], []
         for param in self.model.parameters():
-            if not param.requires_grad:
+            if not param.requires_grad or id(param) in scheme_ids:
                 continue
-            (decay if param.ndim >= 2 and id(param) not in scheme_params else no_decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.optim["weight_decay"]},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=self.optim["lr"],
-            betas=tuple(self.optim["betas"]),
-            eps=self.optim.get("eps", 1e-8),
-        )
+            (decay if param.ndim >= 2 else no_decay).append(param)
+        lr = self.optim["lr"]
+        groups = [
+            {"params": decay, "weight_decay": self.optim["weight_decay"]},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        if scheme:  # only for a learnable scheme: the logged lr-AdamW/pg* of the others keep their names
+            multiplier = float(self.optim.get("scheme_lr_multiplier", 1.0))
+            groups.append({"params": list(scheme.values()), "weight_decay": 0.0, "lr": lr * multiplier})
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(self.optim["betas"]), eps=self.optim.get("eps", 1e-8))
+        # LambdaLR scales each group's own initial lr: the scheme group stays at lr × multiplier all along.
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda step: warmup_cosine(step, self.optim["warmup_steps"], self.max_steps, self.optim["min_lr_ratio"]),

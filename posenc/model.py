@@ -270,6 +270,15 @@ class Decoder(nn.Module):
         """The scheme each layer uses, in order (for inspection and tests)."""
         return [block.attn.encoding for block in self.blocks]
 
+    def scheme_parameters(self) -> dict[str, nn.Parameter]:
+        """{name in the state dict: parameter} of every trainable parameter of a positional scheme, each once.
+
+        Found by structure (any ``PositionalEncoding`` submodule: the input's and every layer's), never by a scheme's
+        name: what the optimiser treats apart (no weight decay, its own learning rate) and what a run watches move.
+        """
+        owned = {id(p) for m in self.modules() if isinstance(m, PositionalEncoding) for p in m.parameters()}
+        return {name: p for name, p in self.named_parameters() if id(p) in owned and p.requires_grad}
+
     @property
     def scheme_names(self) -> list[str]:
         """Names of every single scheme the model uses, once each (for tags and filters)."""

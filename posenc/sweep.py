@@ -45,6 +45,7 @@ from posenc.runs import (
     CHECKPOINT,
     DONE_FILE,
     FAILED_FILE,
+    INTRODUCED,
     experiment_settings,
     last_good_checkpoint,
     read_checkpoint,
@@ -68,8 +69,12 @@ class SweepError(SystemExit):
 
 
 def setting_changes(before: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """``key: old -> new`` for every experiment setting that differs between two configs."""
+    """``key: old -> new`` for every experiment setting that differs between two configs.
+
+    A setting introduced since the earlier config was written (``INTRODUCED``) reads there as what it did then.
+    """
     old, new = experiment_settings(before), experiment_settings(now)
+    old = {**{key: value for key, value in INTRODUCED.items() if key in new}, **old}
     missing = object()
     return [
         f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}"

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from posenc.evaluate import RESULTS_FILE, sliding_dir
 from posenc.evaluate.curve import ValidationAccuracy
+from posenc.evaluate.drift import PositionalDrift, console_lines
 from posenc.evaluate.runner import ExtrapolationEval
 from posenc.jsonio import DiskFullError
 from posenc.lit import DivergedError, LitDecoder
@@ -312,6 +313,7 @@ def fit(
         ),
         accounting_callback := TokenAccounting(trainer_cfg["max_steps"], resume_step),
         SaveOnInterrupt(run_dir / CHECKPOINT, resume_command or f"resume=last in {run_dir}"),
+        drift := PositionalDrift(trainer_cfg["max_steps"]),
     ]
     if loggers:  # it only logs, and refuses to run without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
@@ -323,12 +325,12 @@ def fit(
     if config["eval"]["at_end"]:
         # Held-out text for language-modelling runs (task runs are scored on their task); picklable, for ddp_spawn.
         stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
-        evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task)
+        evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task, drift)
         callbacks.append(evaluation)
         # The other protocol from the same run: sliding windows at each stride fixed in advance, beside eval/.
         for fraction in [] if task else config["eval"].get("sliding_fractions") or []:
             sliding = {**config["eval"], "mode": "sliding", "stride": None, "stride_fraction": fraction}
-            callbacks.append(ExtrapolationEval(info, sliding, run_dir / sliding_dir(fraction), stream, task))
+            callbacks.append(ExtrapolationEval(info, sliding, run_dir / sliding_dir(fraction), stream, task, drift))
     # Checkpoints written whole or not at all, beside where they land, the one before kept (runs/checkpoint_io.py).
     trainer_cfg["plugins"] = [*(trainer_cfg.get("plugins") or []), AtomicCheckpointIO()]
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
@@ -382,10 +384,14 @@ def fit(
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
         "val_curve": curve.history if curve is not None else None,
         "eval": _eval_summary(evaluation, run_dir),
+        "scheme_lr_multiplier": float(config["optim"].get("scheme_lr_multiplier", 1.0)),
+        "positional_drift": (positional_drift := drift.record(module.model)),
     }
     try:
         finish_loggers(loggers, success=True)
         if trainer.is_global_zero:
+            for line in console_lines(positional_drift, label):
+                print(line)
             write_json(run_dir / RUN_FILE, summary)
             write_done(run_dir, config, steps)
     except OSError as err:

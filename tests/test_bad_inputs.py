@@ -73,6 +73,12 @@ ROWS = [
         ("data=hf needs the datasets package", "could not load Hugging Face dataset"),
     ),
     ("negative learning rate", "train", [*TRAIN, "optim.lr=-1"], "optim.lr=-1 must be a positive number"),
+    (
+        "zero scheme learning rate",
+        "train",
+        [*TRAIN, "optim.scheme_lr_multiplier=0"],
+        "optim.scheme_lr_multiplier=0 must be a positive number",
+    ),
     ("unknown override key", "train", [*TRAIN, "model.width=3"], "Could not override 'model.width'"),
     ("flex on CPU", "train", [*TRAIN, "attention=flex"], "attention=flex trains only on a CUDA GPU"),
     (

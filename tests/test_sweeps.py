@@ -289,3 +289,37 @@ def test_reproduction_runs_both_protocols_from_one_run(tmp_path: Path) -> None:
     assert [r["stride"] for r in plain["perplexity"]] == [None, None]
     assert [r["stride"] for r in sliding["perplexity"]] == [8, 16]  # half of each length (16, 32)
     assert plain["perplexity"][0]["tokens"] == sliding["perplexity"][0]["tokens"]  # the same scored tokens
+
+
+@pytest.mark.parametrize(
+    ("name", "schemes", "extra"),
+    [
+        ("controlled", ("alibi", "rope", "nope", "t5", "kerple_log", "fire"), None),
+        ("retrieval_offset", ("alibi", "rope", "nope", "t5", "kerple_log", "fire"), ("0.001", "0.003", "0.01")),
+    ],
+)
+def test_the_controlled_sweeps_cover_six_schemes_at_five_seeds(
+    name: str, schemes: tuple[str, ...], extra: tuple[str, ...] | None, tmp_path: Path
+) -> None:
+    result = launch(tmp_path, command=[sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", name])
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
+    if extra is None:
+        expected = {f"{scheme}-L64-s{seed}" for scheme in schemes for seed in range(5)}
+    else:
+        expected = {f"{scheme}-mqar-lr{lr}-L64-s{seed}" for scheme in schemes for lr in extra for seed in range(5)}
+    assert names == expected
+
+
+def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_random_block() -> None:
+    from omegaconf import OmegaConf
+
+    def job(name: str) -> Any:
+        command = [sys.executable, "-m", "posenc.train", "-cd", str(SWEEPS), "-cn", name, "+encoding=alibi"]
+        printed = subprocess.run([*command, "--cfg", "job"], capture_output=True, text=True, timeout=120, check=True)
+        return OmegaConf.create(printed.stdout)
+
+    controlled, offset = job("controlled"), job("retrieval_offset")
+    assert controlled.eval.sample == "long_documents" and list(controlled.eval.sliding_fractions) == [0.5]
+    assert controlled.trainer.max_steps == 600 and list(controlled.eval.multiples) == [1, 2, 4, 8, 16, 32]
+    assert offset.data.task == "mqar" and offset.data.task_options.kv_offset == "random"

@@ -18,6 +18,15 @@ in most windows. And keys are assigned to the drawn slots in random order: Zoolo
 slot drawn, which under the power law is usually the nearest, so query order follows block order and a solver
 blind to keys answers 0.29 instead of 1/4 with 4 pairs (0.16 instead of 1/8 with 8).
 
+**Where the block sits** (``kv_offset``, not part of Zoology's protocol). With ``zoology`` (the default, and
+every result before the option) the block opens the window, so a query's distance from its key is its position less
+0–6: "accuracy by distance" is then accuracy by position, and no answer late in a long window is near its key. With
+``random`` the block starts at an offset drawn uniformly from 0 to ``length − 4 · num_pairs`` after a prefix of
+filler, and the queries are drawn with the same power law over the slots left after it: distance and position come
+apart (their correlation over answers is about 0.2 at 1,024 tokens with 4 pairs, against 1.0 for ``zoology``), and
+short distances occur at every position. The ``zoology`` windows are the offset-0 case, drawn with exactly the
+random numbers they always were.
+
 **Length extrapolation** (not part of Zoology's protocol, which tests at the training length): the same
 generator at a longer ``length``. The block and the pair count stay; the query slots spread over the longer
 window with the same power law, so the query–key distances reach the new length: with 4 pairs a window of 64
@@ -40,10 +49,13 @@ from posenc.data.tasks import IGNORE, Sample
 VOCAB = 256  # Zoology's vocab_size: keys are the lower half of the tokens 0 … vocab − 1, values the upper half
 POWER_A = 0.01
 NUM_PAIRS = 4  # Zoology's setting at 64 tokens (it doubles the pairs with the length: 128 → 8, 256 → 16)
+KV_OFFSETS = ("zoology", "random")  # where the key-value block sits: the window's start, or after a random prefix
 
 
-def check_options(length: int, num_pairs: int, power_a: float, vocab: int = VOCAB) -> None:
-    """One clear line for a size the generator cannot honour."""
+def check_options(length: int, num_pairs: int, power_a: float, vocab: int = VOCAB, kv_offset: str = "zoology") -> None:
+    """One clear line for a size or layout the generator cannot honour."""
+    if kv_offset not in KV_OFFSETS:
+        raise ValueError(f"mqar kv_offset must be one of {', '.join(KV_OFFSETS)}, got {kv_offset!r}")
     if not 4 <= vocab <= 256 or vocab % 2:
         raise ValueError(f"mqar vocab must be an even number of byte tokens in 4..256, got {vocab}")
     if not 1 <= num_pairs <= vocab // 2:
@@ -61,21 +73,28 @@ def slot_weights(slots: int, power_a: float = POWER_A) -> np.ndarray:
 
 
 def mqar_sample(
-    length: int, rng: np.random.Generator, num_pairs: int = NUM_PAIRS, power_a: float = POWER_A, vocab: int = VOCAB
+    length: int,
+    rng: np.random.Generator,
+    num_pairs: int = NUM_PAIRS,
+    power_a: float = POWER_A,
+    vocab: int = VOCAB,
+    kv_offset: str = "zoology",
 ) -> Sample:
     """One MQAR window of ``length`` inputs (see the module docstring); targets are the values of the queries."""
-    check_options(length, num_pairs, power_a, vocab)
+    check_options(length, num_pairs, power_a, vocab, kv_offset)
+    block = 2 * num_pairs
+    # Drawn first, and only for a random layout: Zoology's windows keep every random number they always had.
+    offset = int(rng.integers(0, length - 2 * block + 1)) if kv_offset == "random" else 0
     keys = rng.choice(vocab // 2, size=num_pairs, replace=False)
     values = vocab // 2 + rng.choice(vocab // 2, size=num_pairs, replace=False)
-    block = 2 * num_pairs
-    slots = (length - block) // 2
+    slots = (length - offset - block) // 2  # ≥ num_pairs: the offset leaves room for a slot per query
     chosen = rng.choice(slots, size=num_pairs, replace=False, p=slot_weights(slots, power_a))
     asked = rng.permutation(num_pairs)  # which key each drawn slot asks
     filler = np.setdiff1d(np.arange(vocab), keys)
-    sequence = rng.choice(filler, size=length + 1)
-    sequence[0:block:2], sequence[1:block:2] = keys, values
+    sequence = rng.choice(filler, size=length + 1)  # the prefix before the block is filler too
+    sequence[offset : offset + block : 2], sequence[offset + 1 : offset + block : 2] = keys, values
     targets = np.full(length, IGNORE, dtype=np.int64)
-    positions = block + 2 * chosen
+    positions = offset + block + 2 * chosen
     sequence[positions] = keys[asked]
     targets[positions] = values[asked]
     return Sample(torch.from_numpy(sequence[:-1]), torch.from_numpy(targets))

@@ -32,6 +32,7 @@ from posenc.runs import (
     checkpoint_training,
     eval_problems,
     experiment_settings,
+    load_checkpoint,
     load_module,
     resolve_checkpoint,
     run_info,
@@ -46,6 +47,7 @@ def _main(cfg: DictConfig) -> None:
     problems = eval_problems(eval_cfg)
     if problems:
         raise RunError("; ".join(problems))
+    from posenc.evaluate.drift import from_checkpoint as drift_from_checkpoint
     from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO, check_thresholds
     from posenc.evaluate.runner import evaluate_model, print_results, replace_outputs, scaling_tag
 
@@ -74,7 +76,12 @@ def _main(cfg: DictConfig) -> None:
             "unless --include-unfinished",
             file=sys.stderr,
         )
-    info = {**run_info(config, module.model.label, data_info), "training": training}
+    callbacks_state = load_checkpoint(checkpoint, mmap=True).get("callbacks") or {}
+    info = {
+        **run_info(config, module.model.label, data_info),
+        "training": training,
+        "positional_drift": drift_from_checkpoint(callbacks_state, module.model),
+    }
     try:
         results = evaluate_model(
             module.model,

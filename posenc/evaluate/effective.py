@@ -36,9 +36,14 @@ DEFAULT_ACC_FRACTION = 0.8
 PERPLEXITY = "ppl"
 RULES = ("absolute", "relative")
 SLACK = 1e-9  # a figure exactly at the threshold holds, whatever the float rounding of ratio × in-length
+# A task's exact match over the answers past the training length only (at the training length, all of them): where
+# a task's rows record it, its effective length is read from it instead of ``accuracy``, since an answer within the
+# first L positions of a long window is an in-length prediction (MQAR, ``posenc/evaluate/mqar.py``).
+PAST_TRAIN_LEN = "past_train_len_accuracy"
 # Each accuracy field's floors, in the rows that record them: what a model scores without the skill measured.
 FLOORS = {
     "accuracy": ("keyless_exact", "keyless_exact_elimination", "chance_exact"),
+    PAST_TRAIN_LEN: ("keyless_exact", "keyless_exact_elimination", "chance_exact"),
     "first_byte_accuracy": ("keyless_first_byte", "keyless_first_byte_elimination", "chance_first_byte"),
     # the first byte's: exact for one-byte answers
     "token_accuracy": ("keyless_first_byte", "keyless_first_byte_elimination", "chance_first_byte"),
@@ -96,11 +101,18 @@ def metric_series(results: Mapping[str, Any]) -> dict[str, tuple[dict[int, float
     for name, task_rows in results.items():
         if name == "perplexity" or not _is_task(task_rows):
             continue
-        for field in _accuracy_fields(task_rows):
-            by_length: dict[int, list[float]] = {}
+        fields = _accuracy_fields(task_rows)
+        if PAST_TRAIN_LEN in fields:  # the exact match over past-L answers replaces the one over every answer
+            fields.remove("accuracy")
+        for field in fields:
+            by_length: dict[int, list[float | None]] = {}
             for row in task_rows:
-                by_length.setdefault(int(row["length"]), []).append(float(row[field]))
-            accuracy = {length: float(np.mean(accs)) for length, accs in by_length.items()}
+                value = row.get(field)
+                by_length.setdefault(int(row["length"]), []).append(None if value is None else float(value))
+            accuracy = {
+                length: None if None in accs else float(np.mean(accs))  # a length without past-L answers fails
+                for length, accs in by_length.items()
+            }
             metric = name if field == "accuracy" else f"{name}_{field}"
             out[metric] = (accuracy, task_floor(task_rows, field), True)
     return out

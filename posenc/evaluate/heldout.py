@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from posenc.data.heldout import heldout_sample
+from posenc.data.heldout import HeldOut, heldout_sample, long_documents_sample
 from posenc.evaluate.perplexity import LengthResult, evaluate_lengths
 
 
@@ -22,6 +22,8 @@ def heldout_perplexity(
     model: nn.Module, stream: np.ndarray, lengths: Sequence[int], eval_cfg: Mapping[str, Any], tokens_per_batch: int
 ) -> tuple[list[LengthResult], dict[str, Any]]:
     """Perplexity rows at the lengths the sample can fill, and the record of the documents they scored."""
+    if eval_cfg.get("sample") == "long_documents":
+        return within_documents(model, stream, lengths, eval_cfg, tokens_per_batch)
     held = heldout_sample(
         stream, eval_cfg.get("max_tokens"), eval_cfg.get("sample") or "head", int(eval_cfg.get("seed", 1234))
     )
@@ -42,3 +44,72 @@ def heldout_perplexity(
         if row.document_loss is not None:
             row.document_loss = [row.document_loss[i] for i in record["documents"]]
     return rows, record
+
+
+def within_documents(
+    model: nn.Module, stream: np.ndarray, lengths: Sequence[int], eval_cfg: Mapping[str, Any], tokens_per_batch: int
+) -> tuple[list[LengthResult], dict[str, Any]]:
+    """``eval.sample=long_documents``: every window inside one document, each document's piece scored on its own.
+
+    The longest lengths no document of the split can hold get a row with that error (the table shows them as n/a);
+    the others are scored on whole windows of the longest one that some document holds, so the scored tokens are the
+    same at every length. Rows pool the pieces: loss over all their targets, loss by position over all their windows.
+    """
+    kept = sorted(lengths)
+    held = long_documents_sample(stream, kept, eval_cfg.get("max_tokens"), int(eval_cfg.get("seed", 1234)))
+    while len(kept) > 1 and not held.pieces:
+        kept = kept[:-1]
+        held = long_documents_sample(stream, kept, eval_cfg.get("max_tokens"), int(eval_cfg.get("seed", 1234)))
+    held.qualifying = long_documents_sample(stream, list(lengths), 0).qualifying  # every length asked, even skipped
+    parts = [_score_piece(model, held, piece, kept, eval_cfg, tokens_per_batch) for piece in held.pieces or []]
+    rows = [_pool([part[index] for part in parts]) for index in range(len(kept))] if parts else []
+    for length in lengths:
+        if length not in kept or not parts:
+            error = f"no document of the {eval_cfg.get('split', 'held-out')} split holds a window of {length} tokens"
+            rows.append(LengthResult(length=length, mode=eval_cfg["mode"], stride=None, tokens=0, error=error))
+    rows.sort(key=lambda row: row.length)
+    record = held.describe(sum(end - start - 1 for start, end in held.pieces or []))
+    for row in rows:
+        if row.document_loss is not None:
+            row.document_loss = [row.document_loss[i] for i in record["documents"]]
+    return rows, record
+
+
+def _score_piece(
+    model: nn.Module,
+    held: HeldOut,
+    piece: tuple[int, int],
+    lengths: list[int],
+    eval_cfg: Mapping[str, Any],
+    tokens_per_batch: int,
+) -> list[LengthResult]:
+    start, end = piece
+    return evaluate_lengths(
+        model,
+        held.tokens[start:end],
+        lengths,
+        mode=eval_cfg["mode"],
+        stride=eval_cfg.get("stride"),
+        max_tokens=None,
+        tokens_per_batch=tokens_per_batch,
+        stride_fraction=eval_cfg.get("stride_fraction"),
+        documents=held.documents[start:end],
+    )
+
+
+def _pool(rows: list[LengthResult]) -> LengthResult:
+    """One length's rows of several pieces as one: losses weighted by targets, positions by windows."""
+    first = rows[0]
+    pooled = LengthResult(first.length, first.mode, first.stride, sum(row.tokens for row in rows), error=first.error)
+    pooled.stride_fraction = first.stride_fraction
+    if first.error:
+        return pooled
+    pooled.loss = float(sum(row.loss * row.tokens for row in rows) / pooled.tokens)
+    pooled.windows = sum(row.windows for row in rows)
+    by_position = sum(np.asarray(row.loss_by_position) * row.windows for row in rows)
+    pooled.loss_by_position = (by_position / pooled.windows).tolist()
+    if all(row.document_loss is not None for row in rows):
+        size = max(len(row.document_loss) for row in rows)
+        pooled.document_loss = sum(np.pad(row.document_loss, (0, size - len(row.document_loss))) for row in rows)
+        pooled.document_loss = pooled.document_loss.tolist()
+    return pooled

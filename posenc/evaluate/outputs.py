@@ -126,6 +126,7 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     if results.get("mqar_by_distance"):
         _write_csv(out_dir / "mqar_by_distance.csv", results["mqar_by_distance"])
         _write_csv(out_dir / "mqar_by_query.csv", results["mqar_by_query"])
+        _write_csv(out_dir / "mqar_by_distance_position.csv", results.get("mqar_by_distance_position") or [])
         if plots:
             images.append(mqar_distance_plot(results, out_dir / "mqar_by_distance.png"))
     if "attention_stats" in results:
@@ -163,12 +164,21 @@ def print_results(results: dict[str, Any]) -> None:
         where = {
             "documents": f"a piece of each of the {len(documents.get('documents', []))} documents of the {split} split",
             "split": f"the whole {split} split",
+            "long_documents": f"whole longest windows inside each of {len(documents.get('documents', []))} documents "
+            f"of the {split} split",
         }.get(documents.get("sample"), f"the first tokens of the {split} split")
         data = (results.get("config") or {}).get("data") or {}
         if data.get("val_windows"):  # two perplexities at 1×: say why they differ
             print(
                 f"  (1× here scores {scored} tokens, {where}; training's val/ppl scored the first "
                 f"{data['val_windows'] * train_len} of the split, so the two differ by sample, not by method)"
+            )
+        if documents.get("qualifying"):  # long_documents: which documents could hold a window of each length
+            held = ", ".join(f"{n}: {count}" for n, count in documents["qualifying"].items())
+            print(
+                f"  (every window inside one document, {where}; documents of the split that hold a window of each "
+                f"length: {held}; {documents.get('too_short')} of {documents.get('split_documents')} are too short "
+                "for the longest)"
             )
         print(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
         for r in rows:

@@ -47,6 +47,7 @@ class LengthResult:
     loss_by_position: list[float] = field(default_factory=list)
     document_loss: list[float] | None = None  # summed loss of each document's scored targets (``documents`` order)
     stride_fraction: float | None = None
+    windows: int = 0  # how many windows ``loss_by_position`` averages over
 
     @property
     def ppl(self) -> float:
@@ -166,6 +167,7 @@ def evaluate_lengths(
                     per_target[start + 1 + first : end + 1] = losses[row, first:]
             result.loss = float(total / span)
             result.loss_by_position = (by_position / len(windows)).tolist()
+            result.windows = len(windows)
             if owners is not None:
                 result.document_loss = np.bincount(owners, weights=per_target[1:].numpy()).tolist()
             results.append(result)

@@ -122,7 +122,8 @@ def evaluate_retrieval_tasks(
 
     ``lengths_for(multiples)`` turns a task's length multiples into the lengths the model supports;
     ``task_options`` (the training data's) size the trained task's samples, the other tasks take their defaults.
-    MQAR adds its breakdowns by distance and by query (``mqar_by_distance``, ``mqar_by_query``).
+    MQAR adds its breakdowns by distance, by query and by distance × position (``mqar_by_distance``,
+    ``mqar_by_query``, ``mqar_by_distance_position``).
     """
     seed = int(eval_cfg.get("seed", 1234))
     out = {}

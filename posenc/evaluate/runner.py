@@ -22,6 +22,8 @@ from posenc.encodings.base import PositionalEncoding
 from posenc.encodings.ssmax import LengthScaling
 from posenc.encodings.stack import Stack
 from posenc.evaluate.attention_stats import attention_stats_by_length, attention_summary, stats_windows
+from posenc.evaluate.bias_curve import first_layer_bias
+from posenc.evaluate.drift import PositionalDrift
 from posenc.evaluate.effective import RULES, both_rules
 from posenc.evaluate.heldout import heldout_perplexity
 from posenc.evaluate.outputs import TASK_NAMES, print_results, replace_outputs, write_outputs
@@ -188,6 +190,7 @@ def _evaluate(
         results["attention_stats"] = attention_stats_by_length(
             model, stats_lengths, windows_for, train_len, batch_tokens
         )
+    results["learned_bias"] = first_layer_bias(model, max(lengths))
     results["effective_length"] = both_rules(results)
     results["summary"] = summary_metrics(results)
     return results
@@ -223,6 +226,11 @@ def summary_metrics(results: dict[str, Any]) -> dict[str, float]:
                 out[f"{name}_first_byte@{_multiple_tag(row['length'] / train_len)}"] = row["first_byte_accuracy"]
     for (stat, length), value in attention_summary(results.get("attention_stats") or []).items():
         out[f"attn_{stat}@{_multiple_tag(length / train_len)}"] = value
+    drift = results.get("positional_drift")
+    if drift is not None:
+        out["drift/max_total_change"] = drift["max_total_change"]
+        if drift["max_late_change"] is not None:
+            out["drift/max_late_change"] = drift["max_late_change"]
     recorded = results.get("effective_length") or {}
     for rule in RULES:
         for metric, length in (recorded.get(rule) or {}).items():
@@ -245,6 +253,7 @@ class ExtrapolationEval(Callback):
         out_dir: Path,
         stream_fn: Callable[[], np.ndarray] | None,
         task: str | None,
+        drift: PositionalDrift | None = None,
     ) -> None:
         self.run_info, self.eval_cfg, self.out_dir, self.stream_fn, self.task = (
             run_info,
@@ -253,6 +262,7 @@ class ExtrapolationEval(Callback):
             stream_fn,
             task,
         )
+        self.drift = drift  # the run's positional-parameter snapshots: results.json records how far they moved
         self.results: dict[str, Any] | None = None
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -268,7 +278,11 @@ class ExtrapolationEval(Callback):
         training = training_record(step, int(trainer.max_steps), tokens_per_step, saved_step)
         self.results = evaluate_model(
             pl_module.model,
-            run_info={**self.run_info, "training": training},
+            run_info={
+                **self.run_info,
+                "training": training,
+                "positional_drift": self.drift.record(pl_module.model) if self.drift is not None else None,
+            },
             eval_cfg=self.eval_cfg,
             stream=stream,
             task=self.task,

@@ -10,7 +10,15 @@ from lightning.pytorch.loggers import Logger
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate.plots import smooth
 
-TASK_TABLES = ("passkey", "copy", *RETRIEVAL_TASKS, "mqar_by_distance", "mqar_by_query", "attention_stats")
+TASK_TABLES = (
+    "passkey",
+    "copy",
+    *RETRIEVAL_TASKS,
+    "mqar_by_distance",
+    "mqar_by_query",
+    "mqar_by_distance_position",
+    "attention_stats",
+)
 
 
 def log_results(

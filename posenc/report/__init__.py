@@ -8,9 +8,10 @@ by the ratio to in-length perplexity, task accuracies, effective lengths and the
 ``--paired A B`` adds a seed-matched comparison of two columns. ``--wandb entity/project``
 builds the same tables from W&B run summaries instead (needs network).
 
-One module per section: ``perplexity``, ``tasks``, ``attention``, ``effective``, ``paired``, ``finetuned`` (a
-run fine-tuned from another beside its parent) (tables), ``plots``
-and ``cost`` (figures); ``collect``
+One module per section: ``perplexity``, ``tasks``, ``retrieval``, ``attention``, ``effective``, ``drift`` (how far
+learnable positional parameters moved, and each scheme's bias by distance), ``preset`` (every column against fixed
+references, Holm over the section), ``finetuned`` (a run fine-tuned from another beside its parent), ``paired``
+(tables), ``plots`` and ``cost`` (figures); ``collect``
 finds results, ``build`` assembles ``report.md`` from the sections listed in ``build.SECTIONS`` and
 ``build.FIGURES``, and ``__main__`` is the command line.
 """

@@ -12,6 +12,7 @@ from posenc.jsonio import DiskFullError
 from posenc.report import __doc__ as about
 from posenc.report.build import build_report
 from posenc.report.collect import find_results, results_from_wandb
+from posenc.report.preset import DEFAULT_REFERENCES
 from posenc.report.study import write_study
 
 
@@ -37,6 +38,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         nargs=2,
         metavar=("A", "B"),
         help="add a paired comparison (matched by seed) of perplexity between columns A and B",
+    )
+    parser.add_argument(
+        "--references",
+        nargs="+",
+        default=list(DEFAULT_REFERENCES),
+        metavar="SCHEME",
+        help="the schemes every column is compared with, fixed in advance (default: alibi nope)",
     )
     for flag, what in (
         ("--ppl-threshold", "effective length, absolute rule: the perplexity every column must stay under"),
@@ -87,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "acc_fraction": args.acc_fraction,
             },
             left_out=unreadable,
+            references=args.references,
         )
     except DiskFullError as full:
         again = shlex.join(["python", "-m", "posenc.report", *(argv if argv is not None else sys.argv[1:])])

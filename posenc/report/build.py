@@ -10,7 +10,7 @@ are removed first, and unfinished ones unless the report was asked to include th
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,13 @@ from posenc.report.attention import attention_tables
 from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
 from posenc.report.cost import cost_plots_of, log_cost_scatter
+from posenc.report.drift import drift_tables, learned_bias_plots
 from posenc.report.effective import effective_tables
 from posenc.report.finetuned import finetuned_tables
 from posenc.report.paired import paired_section
 from posenc.report.perplexity import group_order, group_runs, perplexity_tables
 from posenc.report.plots import attention_plots, curve_plots, perplexity_plots, task_plots
+from posenc.report.preset import DEFAULT_REFERENCES, preset_section
 from posenc.report.protocols import protocol_tables
 from posenc.report.retrieval import retrieval_tables
 from posenc.report.tasks import task_tables
@@ -57,6 +59,7 @@ SECTIONS: list[Callable[[Results, Appendix], list[str]]] = [
     _text(retrieval_tables),
     _text(attention_tables),
     _text(finetuned_tables),
+    _text(drift_tables),
 ]
 FIGURES: list[Callable[[Results, Path], list[Path]]] = [
     lambda results, out_dir: perplexity_plots(group_runs(results), out_dir),
@@ -65,6 +68,7 @@ FIGURES: list[Callable[[Results, Path], list[Path]]] = [
     curve_plots,
     attention_plots,
     cost_plots_of,
+    learned_bias_plots,
 ]
 
 
@@ -77,6 +81,7 @@ def build_report(
     thresholds: dict[str, float | None] | None = None,
     write: bool = True,
     left_out: list[str] | None = None,
+    references: Sequence[str] = DEFAULT_REFERENCES,
 ) -> str:
     """Write report.md (and plots) to ``out_dir``; return the markdown (``write=False``: the plots only).
 
@@ -88,6 +93,7 @@ def build_report(
     own, since their steps trained are part of their identity. ``paired`` (two column labels) adds their paired
     comparison, and refuses with one line when their seeds do not match. ``thresholds`` (``ppl_threshold``,
     ``acc_threshold``, ``ppl_ratio``, ``acc_fraction``) override the runs' settings of the effective-length rules.
+    ``references`` are the schemes every column is compared with in the section of comparisons fixed in advance.
     """
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
@@ -124,6 +130,7 @@ def build_report(
         sections += section(results, appendix)
     effective = effective_tables(results, appendix, thresholds)
     sections += ["", effective] if effective else []
+    sections += preset_section(results, references)
     if paired is not None:
         sections += paired_section(results, *paired)
     images = [image for figure in FIGURES for image in figure(results, out_dir)] if make_plots else []

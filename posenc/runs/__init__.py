@@ -28,6 +28,7 @@ from posenc.runs.checkpoints import (
     run_info,
 )
 from posenc.runs.checks import (
+    INTRODUCED,
     RUNTIME_KEYS,
     check_data,
     check_device,
@@ -63,6 +64,7 @@ __all__ = [
     "DONE_FILE",
     "EVALUATE_USAGE",
     "FAILED_FILE",
+    "INTRODUCED",
     "PREVIOUS_CHECKPOINT",
     "RUNTIME_KEYS",
     "RUN_FILE",

@@ -46,6 +46,20 @@ ATTENTION_SCALES = ("log_n",)
 # What a run is
 
 
+# Settings added after runs were made, each with what a config that lacks it did: a relaunched sweep and the report's
+# pooling read a missing key as that value. An older run scored the head of the split, trained its scheme at the
+# model's lr, (MQAR) put its key-value block at the window's start, started from no other run, trained RoPE
+# unscaled, and evaluated without a length scaling of the scores.
+INTRODUCED = {
+    "eval.sample": "head",
+    "optim.scheme_lr_multiplier": 1.0,
+    "data.task_options.kv_offset": "zoology",
+    "init_from": None,
+    "model.context_scaling": None,
+    "eval.attention_scale": None,
+}
+
+
 def experiment_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config as dotted keys, without ``RUNTIME_KEYS``: what must match for a job to skip or resume."""
     flat: dict[str, Any] = {}
@@ -89,6 +103,9 @@ def config_problems(config: Mapping[str, Any]) -> list[str]:
     lr = optim["lr"]
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
         problems.append(f"optim.lr={lr!r} must be a positive number (e.g. optim.lr=1e-3)")
+    multiplier = optim.get("scheme_lr_multiplier", 1.0)
+    if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) or not multiplier > 0:
+        problems.append(f"optim.scheme_lr_multiplier={multiplier!r} must be a positive number (1.0: the model's lr)")
     problems += eval_problems(evaluation)
     if model.get("context_scaling") and evaluation.get("rope_scaling") is not None:
         problems.append(
@@ -130,8 +147,8 @@ def eval_problems(evaluation: Mapping[str, Any]) -> list[str]:
                         ("eval.sliding_fractions", evaluation.get("sliding_fractions") or [])):  # fmt: skip
         if any(not _fraction(value) for value in values):
             problems.append(f"{key}={values} must be fractions of the evaluation length in (0, 1], e.g. 0.5")
-    if evaluation.get("sample", "documents") not in ("documents", "head"):
-        problems.append(f"eval.sample={evaluation['sample']!r} must be documents or head")
+    if evaluation.get("sample", "documents") not in ("documents", "head", "long_documents"):
+        problems.append(f"eval.sample={evaluation['sample']!r} must be documents, head or long_documents")
     if evaluation.get("attention_scale") not in (None, *ATTENTION_SCALES):
         scales = ", ".join(ATTENTION_SCALES)
         problems.append(f"eval.attention_scale={evaluation['attention_scale']!r} must be null or one of {scales}")

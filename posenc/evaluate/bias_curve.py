@@ -1,0 +1,73 @@
+"""What a scheme's bias became: the first layer's bias by query–key distance, per head, asked through the contract.
+
+A learned bias (T5's table, KERPLE's r1/r2, FIRE's function, data-dependent ALiBi's gates) is read beside the
+fixed ones (ALiBi's slopes, Sandwich) the same way, never by the scheme's name:
+
+- a distance-only bias gives its table, ``distance_bias(num_distances)``;
+- any other bias gives the row of one query over keys behind it, ``bias(q_pos, k_pos)``: the query sits at the
+  last position of the longest evaluated window, so FIRE's normalisation by the query's position is that of the
+  longest window;
+- a content bias is read at zero content (q = k = 0), ``content_bias``: for data-dependent ALiBi that is the
+  gates' learned constant decay, without their dependence on the key.
+
+Schemes with no bias (RoPE, NoPE, absolute schemes) have no curve. The distances are every one below 16, then
+log-spaced up to the longest window, which keeps ``results.json`` small at any length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from posenc.encodings.base import PositionalEncoding
+
+EXACT_DISTANCES, LOG_POINTS = 16, 96
+
+
+def sampled_distances(max_distance: int) -> list[int]:
+    """Every distance below ``EXACT_DISTANCES``, then ``LOG_POINTS`` log-spaced ones up to ``max_distance``."""
+    exact = list(range(min(EXACT_DISTANCES, max_distance + 1)))
+    if max_distance < EXACT_DISTANCES:
+        return exact
+    spaced = np.geomspace(EXACT_DISTANCES, max_distance, LOG_POINTS).round().astype(int).tolist()
+    return sorted(set(exact) | set(spaced) | {max_distance})
+
+
+@torch.no_grad()
+def bias_by_distance(scheme: PositionalEncoding, max_distance: int) -> dict[str, Any] | None:
+    """{distances, query_position, source, by_head: [[bias per distance] per head]} in fp32; ``None`` without a bias."""
+    if not (scheme.adds_bias or scheme.adds_content_bias):
+        return None
+    device = next((t.device for t in [*scheme.parameters(), *scheme.buffers()]), torch.device("cpu"))
+    distances = torch.tensor(sampled_distances(max_distance), device=device)
+    query = max_distance
+    bias = torch.zeros(scheme.num_heads, len(distances), device=device)
+    sources = []
+    if scheme.adds_bias and scheme.distance_only:
+        bias += scheme.distance_bias(max_distance + 1).float()[:, distances]
+        sources.append("distance_bias")
+    elif scheme.adds_bias:
+        k_pos = query - distances
+        bias += scheme.bias(torch.tensor([query], device=device), k_pos).float()[:, 0]
+        sources.append("bias")
+    if scheme.adds_content_bias:
+        positions = torch.arange(query + 1, device=device)
+        q = torch.zeros(1, scheme.num_heads, 1, scheme.head_dim, device=device)
+        k = torch.zeros(1, scheme.num_heads, query + 1, scheme.head_dim, device=device)
+        row = scheme.content_bias(q, k, positions[-1:], positions)  # (1, H, 1, query + 1)
+        bias += row.float()[0, :, 0, query - distances]
+        sources.append("content_bias at q = k = 0")
+    return {
+        "distances": distances.tolist(),
+        "query_position": query,
+        "source": " + ".join(sources),
+        "by_head": bias.cpu().tolist(),
+    }
+
+
+def first_layer_bias(model: nn.Module, max_length: int) -> dict[str, Any] | None:
+    """The bias by distance of ``model``'s first attention layer up to ``max_length − 1`` (a ``Decoder``)."""
+    return bias_by_distance(model.layer_encodings[0], max_length - 1)

@@ -1,0 +1,176 @@
+"""The positional-parameter section: how far each learnable scheme's parameters moved, and what its bias became.
+
+A learnable scheme is compared as learned only where its parameters learned. The drift table gives, per column,
+the largest relative change of any scheme tensor since the start and over the last tenth of training (mean over
+seeds), and marks a column whose parameters are still moving or have barely moved in any seed (thresholds:
+``posenc/evaluate/drift.py``). The bias table and figure show each scheme's first-layer bias by query–key distance
+(``posenc/evaluate/bias_curve.py``): learned schemes beside the fixed ones, per head, from one seed per column.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from posenc.evaluate.drift import BARELY_MOVED, STILL_MOVING
+from posenc.identity import columns
+from posenc.report.common import Appendix, Columns, interval_cells, order, table_head
+
+FIXED = "fixed"  # a column whose scheme has no trainable positional parameter
+STILL, BARELY, SETTLED = "still moving", "barely moved", "settled"
+DRIFT_LEGEND = (
+    "Change is relative to the tensor's initial size, ‖θ_end − θ_ref‖ / ‖θ_ref‖ (a tensor that starts near zero is "
+    "measured against an RMS of 0.01 per entry), the largest over every scheme tensor of every layer; cells are the "
+    "mean over seeds ± the half-width of its 95% Student-t interval. "
+    f"**{STILL}**: in some seed a tensor changed by more than {STILL_MOVING:g} over the last 10% of steps (its "
+    f"final value depends on when training stopped); **{BARELY}**: in some seed no tensor changed by "
+    f"{BARELY_MOVED:g} in all (the scheme is still close to its initialisation); {FIXED}: no trainable positional "
+    "parameter. A learnable scheme marked either way is not compared as learned."
+)
+
+
+def drift_groups(results: list[dict[str, Any]], field: str) -> dict[int, Columns]:
+    """{train_len: {column: runs}} of the runs whose results hold ``field`` (``positional_drift``, ``learned_bias``).
+
+    A run of a fixed scheme records ``positional_drift`` as null and still has a column (marked fixed).
+    """
+    by_length: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for run in results:
+        if field in run and not run.get("failed"):
+            by_length[int(run["train_len"])].append(run)
+    return {train_len: columns(runs) for train_len, runs in by_length.items()}
+
+
+def column_mark(runs: list[dict[str, Any]]) -> str:
+    """``still moving``, ``barely moved`` (both when both), ``settled`` or ``fixed`` for a column's runs."""
+    records = [run.get("positional_drift") for run in runs]
+    if all(record is None for record in records):
+        return FIXED
+    marks = []
+    lates = [r["max_late_change"] for r in records if r is not None and r["max_late_change"] is not None]
+    if any(late > STILL_MOVING for late in lates):
+        marks.append(STILL)
+    if any(r is not None and r["max_total_change"] < BARELY_MOVED for r in records):
+        marks.append(BARELY)
+    return ", ".join(f"**{m}**" for m in marks) or SETTLED
+
+
+def _seeds_with(runs: list[dict[str, Any]], test: Any) -> str:
+    records = [run["positional_drift"] for run in runs if run.get("positional_drift") is not None]
+    return f"{sum(1 for r in records if test(r))}/{len(records)}" if records else "—"
+
+
+def _change_cells(by_label: Columns, labels: list[str], name: str) -> dict[str, str]:
+    """{column: mean ± half-width over seeds} of one figure of the runs' drift records."""
+    values = {label: [(run.get("positional_drift") or {}).get(name) for run in by_label[label]] for label in labels}
+    return interval_cells(values, digits=4)
+
+
+def drift_tables(results: list[dict[str, Any]], appendix: Appendix | None = None) -> str:
+    """The drift table and the bias-by-distance table, per training length."""
+    out = []
+    for train_len, by_label in sorted(drift_groups(results, "positional_drift").items()):
+        labels = order(by_label)
+        title = f"Positional parameters, trained at L={train_len}"
+        out += [f"## {title}", "", DRIFT_LEGEND, ""]
+        out += table_head(by_label, labels, first="| figure | ", title=title, appendix=appendix)
+
+        total, late = (_change_cells(by_label, labels, name) for name in ("max_total_change", "max_late_change"))
+        rows = {
+            "largest total change": [total[x] for x in labels],
+            "largest change over the last 10%": [late[x] for x in labels],
+            "seeds still moving": [
+                _seeds_with(by_label[x], lambda r: (r["max_late_change"] or 0) > STILL_MOVING) for x in labels
+            ],
+            "seeds barely moved": [
+                _seeds_with(by_label[x], lambda r: r["max_total_change"] < BARELY_MOVED) for x in labels
+            ],
+            "mark": [column_mark(by_label[x]) for x in labels],
+        }
+        out += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
+        out.append("")
+    out += _bias_tables(results, appendix)
+    return "\n".join(out)
+
+
+def first_seed(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of a column drawn in its bias table and figure: the lowest seed (heads of two seeds do not pair)."""
+    return min(runs, key=lambda run: (str(type(run.get("seed"))), run.get("seed") or 0))
+
+
+def _bias_tables(results: list[dict[str, Any]], appendix: Appendix | None) -> list[str]:
+    out = []
+    for train_len, by_label in sorted(drift_groups(results, "learned_bias").items()):
+        curves = {label: first_seed(runs)["learned_bias"] for label, runs in by_label.items()}
+        labels = [label for label in order(by_label) if curves[label] is not None]
+        if not labels:
+            continue
+        longest = min(curves[label]["query_position"] for label in labels)
+        wanted = sorted({0, 1, 4, train_len // 4, train_len - 1, 4 * train_len, longest})
+        wanted = [d for d in wanted if 0 <= d <= longest]
+        title = f"First-layer bias by distance, trained at L={train_len}"
+        shown = {label: by_label[label] for label in labels}
+        out += [
+            f"## {title}",
+            "",
+            "The bias added to a query's score for a key d tokens back, in the first layer, from each column's lowest "
+            "seed: the lowest and highest over heads (every head in the figure). Learned schemes read as trained; "
+            "a content-dependent bias is read at zero content (q = k = 0).",
+            "",
+            *table_head(shown, labels, first="| distance | ×L | ", title=title, appendix=appendix),
+        ]
+        for distance in wanted:
+            cells = []
+            for label in labels:
+                curve = curves[label]
+                index = min(range(len(curve["distances"])), key=lambda i: abs(curve["distances"][i] - distance))
+                at = [head[index] for head in curve["by_head"]]
+                cells.append(f"{min(at):.3f} … {max(at):.3f}" if len(at) > 1 else f"{at[0]:.3f}")
+            out.append(f"| {distance} | {distance / train_len:.3g} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def learned_bias_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Per training length, one panel per column: its first-layer bias vs distance, a line per head (lowest seed).
+
+    Written beside its final name and renamed: a reader never sees half a PNG.
+    """
+    images = []
+    for train_len, by_label in sorted(drift_groups(results, "learned_bias").items()):
+        curves = {label: first_seed(by_label[label])["learned_bias"] for label in order(by_label)}
+        curves = {label: curve for label, curve in curves.items() if curve is not None}
+        if curves:
+            images.append(_bias_figure(curves, train_len, out_dir / f"learned_bias_L{train_len}.png"))
+    return images
+
+
+def _bias_figure(curves: dict[str, dict[str, Any]], train_len: int, path: Path) -> Path:
+    from posenc.evaluate.plots import plt  # matplotlib (Agg) only when plotting
+
+    panels = len(curves)
+    width = min(panels, 3)
+    rows = math.ceil(panels / width)
+    fig, axes = plt.subplots(rows, width, figsize=(4.2 * width, 3.2 * rows), squeeze=False)
+    for ax, (label, curve) in zip(axes.flat, curves.items(), strict=False):
+        for head, values in enumerate(curve["by_head"]):
+            ax.plot(curve["distances"], values, linewidth=1, label=f"head {head}")
+        ax.axvline(train_len, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("query–key distance (tokens)", fontsize=8)
+        ax.set_ylabel("bias added to the score", fontsize=8)
+    for ax in list(axes.flat)[panels:]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=6)
+    fig.suptitle(f"First-layer bias by distance, per head (lowest seed; dashed: training length {train_len})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.stem}.partial.png")
+    fig.savefig(partial, dpi=110)
+    plt.close(fig)
+    partial.replace(path)
+    return path
