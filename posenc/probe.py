@@ -18,8 +18,9 @@ from posenc.attention.eager import attention_weights
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import eager_modules
 
-# visit(layer index, rotated q (B, H, L, D), rotated k (B, H, L, D), the layer's scheme, positions (L,))
-Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor], None]
+# visit(layer index, rotated q (B, H, L, D), rotated k (B, H, L, D), the layer's scheme, positions (L,), the keys'
+# features (B, L, F) for a scheme that reads the layer's input, else None)
+Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor, Tensor | None], None]
 
 MAX_MAP_ELEMENTS = 1 << 26  # one layer's (B, H, L, L) maps: 256 MiB of fp32
 
@@ -32,8 +33,8 @@ def visit_layers(model: nn.Module, tokens: Tensor, visit: Visit) -> Tensor:
 
         def hook(attention: nn.Module, args: tuple, index: int = index) -> None:
             x, pos = args[0], args[1]
-            q, k, _, k_pos = attention.project(x, pos)
-            visit(index, q, k, attention.encoding, k_pos)
+            q, k, _, k_pos, features = attention.project(x, pos)
+            visit(index, q, k, attention.encoding, k_pos, features)
 
         handles.append(block.attn.register_forward_pre_hook(hook))
     try:
@@ -59,9 +60,11 @@ def attention_maps(model: nn.Module, tokens: Tensor, layer: int) -> Tensor:
     wanted = layer % depth
     maps: list[Tensor] = []
 
-    def keep(index: int, q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor) -> None:
+    def keep(
+        index: int, q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor, features: Tensor | None
+    ) -> None:
         if index == wanted:
-            maps.append(attention_weights(q, k, encoding, pos, pos))
+            maps.append(attention_weights(q, k, encoding, pos, pos, features))
 
     was_training = model.training
     model.eval()

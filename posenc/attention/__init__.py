@@ -3,19 +3,39 @@
 Every backend computes the same thing, softmax(q·kᵀ/√d + bias, causal) · v, and asks the scheme for its bias in
 the form it can use: ``eager`` the dense ``bias()``, ``sdpa`` the dense bias as an attention mask (or none, for
 the flash path), ``flex`` the ``score_mod``. A backend that cannot honour a scheme raises; none drops a bias.
-``auto`` picks, per call, a backend that works for the device and the scheme.
+A scheme that supplies its own attention (``supplies_attention``) runs through ``eager`` (its dense reference) or
+``scheme`` (its own fast path, ``attend``); the others refuse it. ``auto`` picks, per call, a backend that works
+for the device and the scheme. A scheme that reads the layer's input gets its keys' ``features`` from every backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from torch import Tensor
 
 from posenc.encodings.base import PositionalEncoding
 
-# (q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, D), encoding, q_pos (Lq,), k_pos (Lk,)) -> (B, H, Lq, D)
-Backend = Callable[[Tensor, Tensor, Tensor, PositionalEncoding, Tensor, Tensor], Tensor]
+
+class Backend(Protocol):
+    """Causal attention over rotated q, k, v, honouring the scheme: (B, H, Lq, D).
+
+    q (B, H, Lq, D), k and v (B, H, Lk, D), the scheme, q_pos (Lq,), k_pos (Lk,), and ``features`` (B, Lk, F): the
+    keys' ``token_features`` of a scheme that reads the layer's input (``None`` for every other scheme).
+    """
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        encoding: PositionalEncoding,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        features: Tensor | None = None,
+    ) -> Tensor: ...
+
 
 _BACKENDS: dict[str, Backend] = {}
 # Backends that accept queries at a suffix of the key positions (Lq < Lk, q_pos = k_pos[-Lq:]), as cached
@@ -41,8 +61,10 @@ def register_backend(name: str, *, query_suffix: bool = False) -> Callable[[Back
 def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
     """Refuse a bias that reads q and k in a backend that sees positions only (a score_mod, a distance table).
 
-    Such a backend would otherwise run the scheme with no bias at all; every one of them calls this first.
+    Such a backend would otherwise run the scheme with no bias at all; every one of them calls this first. It also
+    refuses a scheme that supplies its own attention, which no softmax(q·kᵀ/√D + bias) kernel computes.
     """
+    refuse_supplied_attention(encoding, backend)
     if encoding.adds_content_bias:
         raise ValueError(
             f"attention={backend} cannot apply {encoding.label}'s content-dependent bias (it reads queries and keys, "
@@ -50,10 +72,25 @@ def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
         )
 
 
-def decoding_backend(name: str) -> str:
-    """The backend cached decoding uses for a model built with ``name``: itself if it takes a query suffix."""
+def refuse_supplied_attention(encoding: PositionalEncoding, backend: str) -> None:
+    """Refuse, in a backend that computes softmax(q·kᵀ/√D + bias), a scheme whose attention is not of that form."""
+    if encoding.supplies_attention:
+        raise ValueError(
+            f"attention={backend} cannot run {encoding.label}: it supplies its own attention (not a bias on q·kᵀ); "
+            "use attention=auto, scheme or eager"
+        )
+
+
+def decoding_backend(name: str, encoding: PositionalEncoding | None = None) -> str:
+    """The backend cached decoding uses for a model built with ``name`` and ``encoding``.
+
+    Itself if it takes a query suffix; else the scheme's own attention for a scheme that supplies one; else
+    ``DECODING_FALLBACK``.
+    """
     _load()
-    return name if name in _QUERY_SUFFIX else DECODING_FALLBACK
+    if name in _QUERY_SUFFIX:
+        return name
+    return "scheme" if encoding is not None and encoding.supplies_attention else DECODING_FALLBACK
 
 
 def available_backends() -> list[str]:
@@ -71,7 +108,7 @@ def get_backend(name: str) -> Backend:
 
 
 def _load() -> None:
-    from posenc.attention import auto, eager, flex, flex_learnable, sdpa, triton_table  # noqa: F401 - registration
+    from posenc.attention import auto, eager, flex, flex_learnable, scheme, sdpa, triton_table  # noqa: F401 - registration
 
 
 __all__ = [
@@ -80,5 +117,6 @@ __all__ = [
     "decoding_backend",
     "get_backend",
     "refuse_content_bias",
+    "refuse_supplied_attention",
     "register_backend",
 ]

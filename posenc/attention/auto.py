@@ -11,11 +11,12 @@
   evaluates (no gradients) through ``flex``;
 - a bias on CPU → ``sdpa`` with the bias as a chunked mask (FlexAttention has no CPU backward, and SDPA is the
   faster CPU path anyway);
-- a content-dependent bias (CoPE, DAPE, data-dependent ALiBi), any device → ``sdpa`` with the bias computed per
-  query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it.
+- a content-dependent bias (CoPE, DAPE, data-dependent ALiBi, FoX), any device → ``sdpa`` with the bias computed
+  per query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it;
+- a scheme that supplies its own attention (PaTH), any device → ``scheme``: the scheme's own fast path.
 
-The choice reads only what the scheme declares (``adds_content_bias``, ``adds_bias``, ``learnable_bias``,
-``bias_gradient_forms``, ``score_mod_differentiable``) and whether gradients are being recorded.
+The choice reads only what the scheme declares (``supplies_attention``, ``adds_content_bias``, ``adds_bias``,
+``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``) and whether gradients are being recorded.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from posenc.runtime import cuda_path
 
 def choose(encoding: PositionalEncoding, is_cuda: bool, training: bool = True) -> str:
     """Name of the backend ``auto`` uses for this scheme on this kind of device, training or not."""
+    if encoding.supplies_attention:
+        return "scheme"
     if encoding.adds_content_bias or not encoding.adds_bias or not is_cuda:
         return "sdpa"
     if encoding.learnable_bias and supports(encoding):
@@ -42,7 +45,13 @@ def choose(encoding: PositionalEncoding, is_cuda: bool, training: bool = True) -
 
 @register_backend("auto")
 def auto_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
     backend = choose(encoding, cuda_path(q), training=torch.is_grad_enabled())
-    return get_backend(backend)(q, k, v, encoding, q_pos, k_pos)
+    return get_backend(backend)(q, k, v, encoding, q_pos, k_pos, features=features)

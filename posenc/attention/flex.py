@@ -224,7 +224,15 @@ def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> 
 
 
 @register_backend("flex")
-def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+def flex_backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
+) -> Tensor:
     refuse_content_bias(encoding, "flex")
     check_self_attention(q, k, q_pos, k_pos)
     if not cuda_path(q) and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

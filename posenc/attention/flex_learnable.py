@@ -155,7 +155,13 @@ def constant_bias_attention(
 
 @register_backend("flex_learnable")
 def flex_learnable_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
     refuse_content_bias(encoding, "flex_learnable")
     check_self_attention(q, k, q_pos, k_pos)

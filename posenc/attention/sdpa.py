@@ -9,7 +9,8 @@ distances past 256 lose exactness), which is one reason ``auto`` prefers ``flex`
 A content-dependent bias (``adds_content_bias``: CoPE, DAPE, data-dependent ALiBi) is one (B, H, Lq, Lk) tensor per
 batch, so its query chunks are sized over batch and heads together (``content_chunk_elements``: a CPU's caches, a
 GPU's memory); each chunk's bias
-is computed from that chunk's queries and the keys it may see (the scheme's rows need nothing else). A content
+is computed from that chunk's queries and the keys it may see, with those keys' ``features`` for a scheme that reads
+the layer's input (the scheme's rows need nothing else). A scheme that supplies its own attention is refused. A content
 bias that varies along a row only through a per-key term (the scheme's ``key_bias``: data-dependent ALiBi) needs no
 (Lq × Lk) tensor: the term rides in one extra channel of q and k, and SDPA runs its fused kernel with a causal
 boolean mask (on CPU, in fp32 or fp64; the CUDA path keeps the dense bias, whose bf16 behaviour is the measured one).
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from posenc.attention import register_backend
+from posenc.attention import refuse_supplied_attention, register_backend
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path, full_precision
 
@@ -93,14 +94,21 @@ def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: 
 
 @register_backend("sdpa", query_suffix=True)
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
+    refuse_supplied_attention(encoding, "sdpa")
     if encoding.adds_content_bias:
         if not encoding.adds_bias and q.dtype in FOLDED_DTYPES and not cuda_path(q):
-            key_term = encoding.key_bias(k, k_pos)
+            key_term = encoding.key_bias(k, k_pos, features)
             if key_term is not None:
                 return sdpa_with_key_bias(q, k, v, key_term, q_pos, k_pos)
-        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos)
+        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos, features)
     if not encoding.adds_bias:
         if q_pos is k_pos:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -163,7 +171,13 @@ def content_chunk_elements(device: torch.device) -> int:
 
 @full_precision
 def sdpa_with_content_bias(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
     """Causal SDPA with the scheme's content bias (plus its position bias, if any), one query chunk at a time.
 
@@ -185,7 +199,8 @@ def sdpa_with_content_bias(
         scores = None
         if share_scores:
             scores = torch.matmul(chunk_q.float(), chunk_k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-        mask = encoding.content_bias(chunk_q, chunk_k, chunk_q_pos, chunk_k_pos, scores)  # (B, H, rows, keys) fp32
+        chunk_features = None if features is None else features[:, keys]
+        mask = encoding.content_bias(chunk_q, chunk_k, chunk_q_pos, chunk_k_pos, scores, chunk_features)  # fp32
         if encoding.adds_bias:
             mask = mask + encoding.bias(chunk_q_pos, chunk_k_pos)
         mask = mask.masked_fill(chunk_k_pos[None, None, None, :] > chunk_q_pos[None, None, :, None], float("-inf"))

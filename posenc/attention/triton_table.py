@@ -189,7 +189,13 @@ def check_supported(
 
 @register_backend("triton")
 def triton_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
     check_supported(q, k, v, encoding, q_pos, k_pos)
     table = encoding.distance_bias(q.shape[-2]) if encoding.adds_bias else None  # (H, L) fp32, differentiable

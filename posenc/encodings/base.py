@@ -29,6 +29,26 @@ A content bias that reads the attention's own scaled scores (CoPE's gates, DAPE'
 ``reads_scores``: a backend that has computed q·kᵀ/√D passes them as ``scores`` rather than have the scheme compute
 them a second time.
 
+Schemes that read the layer's *input* x (B, L, dim), the normed residual stream the attention projects q, k and v
+from, rather than only q and k (FoX's forget gate, PaTH's Householder vectors), declare ``reads_layer_input`` and
+offer:
+
+- ``token_features(x)``: per-token features (B, L, F) in fp32, one row per position. The attention layer computes
+  them beside q, k and v and passes the keys' rows to the backend (``features``, Lk rows: the queries' own are its
+  last Lq); a KV cache stores them beside the keys, so new queries over cached keys see every key's features and get
+  exactly the full computation's rows. Every word that reads content (``content_bias``, ``key_bias``, ``attend``)
+  takes them as ``features``; a function of several positions' features (a causal convolution) is computed there,
+  over the keys, not in ``token_features``.
+
+Schemes that change the attention itself, not by a bias on q·kᵀ but in how scores are formed or normalised (PaTH's
+products of Householder transformations between key and query), declare ``supplies_attention`` and offer two words:
+
+- ``attention_weights(q, k, q_pos, k_pos, features)``: the dense fp32 weights (B, H, Lq, Lk) that multiply v, computed
+  the obvious way: the reference, what the eager backend, attention maps and attention statistics read.
+- ``attend(q, k, v, q_pos, k_pos, features)``: the same output (B, H, Lq, D) on the scheme's fast path, with memory
+  bounded per block of rows; it honours the query-suffix contract of ``content_bias``. The ``scheme`` backend runs
+  it and ``auto`` picks that backend; backends that only compute softmax(q·kᵀ/√D + bias) refuse such a scheme.
+
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
 the O(L²) matrix.
@@ -104,6 +124,8 @@ class PositionalEncoding(nn.Module):
     - ``adds_bias``: ``bias``/``score_mod`` are not ``None``.
     - ``rotates``: ``rotate`` is not the identity.
     - ``adds_content_bias``: ``content_bias`` is not ``None`` (a bias that reads q and k, not only positions).
+    - ``reads_layer_input``: ``token_features`` is not ``None`` (per-token features read from the layer's input x).
+    - ``supplies_attention``: ``attention_weights``/``attend`` replace softmax(q·kᵀ/√D + bias) (not a bias at all).
     - ``score_mod_differentiable``: FlexAttention may differentiate ``score_mod`` with respect to its parameters.
     - ``score_mod_reads_table``: ``score_mod`` gathers from a table at a per-score index (smaller kernel tiles).
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
@@ -115,6 +137,8 @@ class PositionalEncoding(nn.Module):
     rotates: ClassVar[bool] = False
     adds_content_bias: ClassVar[bool] = False
     reads_scores: ClassVar[bool] = False  # content_bias reads q·kᵀ/√D, which a backend may pass it (``scores``)
+    reads_layer_input: ClassVar[bool] = False
+    supplies_attention: ClassVar[bool] = False
     # FlexAttention can differentiate the score_mod's trainable tensors on a GPU. Inductor lowers a score_mod's
     # gradient only for trainable tensors read by index, each indexed once per score (its joint-graph check), and
     # adds into them atomically once per score. A scheme whose score_mod it cannot lower says False (FIRE's MLP: the
@@ -196,12 +220,19 @@ class PositionalEncoding(nn.Module):
         return None
 
     def content_bias(
-        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        scores: Tensor | None = None,
+        features: Tensor | None = None,
     ) -> Tensor | None:
         """fp32 bias (B, H, Lq, Lk) from queries (B, H, Lq, D) and keys (B, H, Lk, D), or ``None``.
 
         ``scores``, when a backend passes them, are the attention's own fp32 scaled scores q·kᵀ/√D of these q and
-        k: a scheme that ``reads_scores`` uses them instead of computing them again.
+        k: a scheme that ``reads_scores`` uses them instead of computing them again. ``features`` (B, Lk, F) are the
+        keys' ``token_features`` for a scheme that ``reads_layer_input``.
 
         Keys come in increasing position order. Row i may depend only on q_i and the keys with ``k_pos <= q_pos[i]``
         (see the module docstring: a query suffix over cached keys must get the full computation's rows); entries
@@ -209,13 +240,43 @@ class PositionalEncoding(nn.Module):
         """
         return None
 
-    def key_bias(self, k: Tensor, k_pos: Tensor) -> Tensor | None:
+    def key_bias(self, k: Tensor, k_pos: Tensor, features: Tensor | None = None) -> Tensor | None:
         """The per-key term t (B, H, Lk) fp32 of a content bias r_i + t_j (see the module docstring), or ``None``.
 
         ``None`` (the default) when the content bias is not of that form; when it is, ``content_bias − t_j`` must be
         constant along j over each row's causal keys, which ``tests/test_zoo.py`` checks for every scheme.
         """
         return None
+
+    def token_features(self, x: Tensor) -> Tensor | None:
+        """fp32 features (B, L, F) of each position from the layer's input x (B, L, dim), or ``None`` (the default).
+
+        Row t may depend on x_t alone: the features of a cached key never change when tokens follow it.
+        """
+        return None
+
+    def require_features(self, features: Tensor | None) -> Tensor:
+        """``features`` when given; one clear error when a backend or caller forgot to pass them."""
+        if features is None:
+            raise ValueError(
+                f"{self.label} reads the layer's input: pass features=encoding.token_features(x) with the keys' rows"
+            )
+        return features
+
+    def attention_weights(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    ) -> Tensor:
+        """Dense fp32 causal weights (B, H, Lq, Lk) that multiply v, for a scheme that ``supplies_attention``.
+
+        The reference its ``attend`` is tested against; rows follow the query-suffix contract of ``content_bias``.
+        """
+        raise NotImplementedError(f"{self.label} does not supply its own attention")
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    ) -> Tensor:
+        """The attention output (B, H, Lq, D) on the scheme's fast path: ``attention_weights`` · v, memory bounded."""
+        raise NotImplementedError(f"{self.label} does not supply its own attention")
 
     def set_context_scaling(self, method: str, factor: float, original_length: int) -> bool:
         """Stretch the scheme at evaluation to ``factor`` × ``original_length`` positions (RoPE's PI, NTK, YaRN).
