@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, make
+from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, SUPPLIED_SCHEMES, layer_features, make
 from torch.nn.attention.flex_attention import create_block_mask
 
 import posenc.attention.bias_grad as bias_grad
@@ -66,8 +66,9 @@ def _grads(backend: str, name: str, length: int, first_pos: int = 0, **cfg) -> l
     enc = make(name, **cfg)
     pos = torch.arange(first_pos, first_pos + length)
     q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
+    features = layer_features(enc, 2, length, requires_grad=True)  # for a scheme that reads the layer's input
     rotated_q, rotated_k = enc.rotate(q, k, pos, pos)
-    out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos)
+    out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos, features=features)
     weights = torch.randn(out.shape)
     (out * weights).sum().backward()
     return [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in enc.parameters() if p.requires_grad)]
@@ -95,6 +96,24 @@ def test_every_backend_auto_may_choose_matches_eager_values_and_gradients(name: 
             torch.testing.assert_close(
                 value, reference, atol=atol, rtol=1e-4, msg=lambda m, b=backend, i=index: f"{b}, tensor {i}: {m}"
             )
+
+
+SUPPLIED = [*SUPPLIED_SCHEMES, *(f"rope+{name}" for name in SUPPLIED_SCHEMES)]
+
+
+@pytest.mark.parametrize("length", [5, 16, 37])  # under one chunk of 8, two whole chunks, and 4 chunks and a part
+@pytest.mark.parametrize("name", SUPPLIED)
+def test_a_supplied_attention_matches_its_dense_reference_values_and_gradients(name: str, length: int) -> None:
+    # Chunks of 8 keys, so that these lengths cross chunk boundaries (a stack's options go under the member's name).
+    options = {"chunk": 8} if "+" not in name else {member: {"chunk": 8} for member in SUPPLIED_SCHEMES}
+    options = {key: value for key, value in options.items() if key == "chunk" or key in name.split("+")}
+    expected = _grads("eager", name, length, **options)
+    got = _grads(choose(make(name), is_cuda=False), name, length, **options)
+    assert len(got) == len(expected) > 4  # the scheme's parameters are there and receive gradients
+    assert all(grad.abs().sum() > 0 for grad in expected[4:])
+    for index, (value, reference) in enumerate(zip(got, expected, strict=True)):
+        assert value is not None, index
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4, msg=lambda m, i=index: f"tensor {i}: {m}")
 
 
 def test_t5_last_bucket_gradient_comes_from_the_row_sums() -> None:
@@ -227,10 +246,11 @@ def test_flex_learnable_forward_matches_eager_for_every_scheme(name: str) -> Non
     enc = make(name)
     pos = torch.arange(29)
     q, k, v = (torch.randn(2, HEADS, 29, HEAD_DIM, requires_grad=True) for _ in range(3))
-    if enc.adds_content_bias:  # a score_mod cannot read q and k: both flex backends refuse, never drop it
+    # A score_mod cannot read q and k, nor replace the attention: both flex backends refuse, never drop it.
+    if enc.adds_content_bias or enc.supplies_attention:
         for backend in ("flex", "flex_learnable"):
-            with pytest.raises(ValueError, match="content-dependent bias"):
-                get_backend(backend)(q, k, v, enc, pos, pos)
+            with pytest.raises(ValueError, match=r"content-dependent bias|supplies its own attention"):
+                get_backend(backend)(q, k, v, enc, pos, pos, features=layer_features(enc, 2, 29))
         return
     with torch.no_grad():  # inputs that require grad, as in evaluation of a training model
         got = get_backend("flex_learnable")(q, k, v, enc, pos, pos)

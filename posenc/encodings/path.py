@@ -44,6 +44,8 @@ from posenc.runtime import full_precision
 
 INIT_STD = 0.02
 NORM_EPS = 1e-6  # w / √(Σw² + ε), as the published layer normalises
+# Whether flash-linear-attention is installed, looked up (not imported) once: it is imported only on CUDA.
+FLA_INSTALLED = importlib.util.find_spec("fla") is not None
 FLA_HEAD_DIMS = (16, 32, 64, 128)  # what parallel_path_attn accepts (flash-linear-attention 0.5)
 
 
@@ -119,7 +121,7 @@ class PaTH(PositionalEncoding):
         self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
     ) -> Tensor:
         w, beta = self.householders(features)
-        if q.is_cuda and q_pos is k_pos and q.shape[-1] in FLA_HEAD_DIMS and importlib.util.find_spec("fla"):
+        if FLA_INSTALLED and q.is_cuda and q_pos is k_pos and q.shape[-1] in FLA_HEAD_DIMS:
             return fla_attention(q, k, v, w, beta)
         return chunked_attention(q, k, v, w, beta, self.chunk).to(q.dtype)
 
