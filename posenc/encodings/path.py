@@ -46,7 +46,8 @@ INIT_STD = 0.02
 NORM_EPS = 1e-6  # w / √(Σw² + ε), as the published layer normalises
 # Whether flash-linear-attention is installed, looked up (not imported) once: it is imported only on CUDA.
 FLA_INSTALLED = importlib.util.find_spec("fla") is not None
-FLA_HEAD_DIMS = (16, 32, 64, 128)  # what parallel_path_attn accepts (flash-linear-attention 0.5)
+FLA_HEAD_DIMS = (16, 32, 64, 128)
+MIN_CHUNK = 16  # what parallel_path_attn accepts (flash-linear-attention 0.5)
 
 
 @register
@@ -156,7 +157,9 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, 
     q, k, v, w, beta = (t.float() for t in (q, k, v, w, beta))
     queries, head_dim = q.shape[-2:]
     keys = k.shape[-2]
-    size = max(1, min(chunk, keys))
+    # Chunks of about √L (at least 16) up to ``chunk``: the solve and the products inside a chunk cost C² per
+    # position, the walk between chunks L/C steps; short training windows favour small chunks, long ones large.
+    size = max(1, min(chunk, keys, max(MIN_CHUNK, 1 << math.ceil(math.log2(math.sqrt(keys))))))
     count = -(-keys // size)
     pad = count * size - keys
     offset = keys - queries  # the first query's index among the keys
@@ -172,10 +175,10 @@ def chunked_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, 
     inclusive = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # t ≤ i
     gram = w @ w.transpose(-1, -2)  # (B, H, N, C, C)
     system = torch.eye(size, device=q.device) + beta[..., None] * gram.masked_fill(~lower, 0.0)
-    solve = torch.linalg.solve_triangular
-    u = solve(system, beta[..., None] * w, upper=False, unitriangular=True)  # (B, H, N, C, D)
     w_k = (w @ k.transpose(-1, -2)).masked_fill(~lower, 0.0)  # w_t · k_j for t > j
-    carry = solve(system, beta[..., None] * w_k, upper=False, unitriangular=True)  # (B, H, N, C, C)
+    # One unit triangular solve per chunk for both right-hand sides: U = T W (C × D) and C = T tril₋₁(W Kᵀ) (C × C).
+    both = beta[..., None] * torch.cat([w, w_k], dim=-1)
+    u, carry = torch.linalg.solve_triangular(system, both, upper=False, unitriangular=True).split([head_dim, size], -1)
     carried_k = k - carry.transpose(-1, -2) @ w  # keys at their chunk's end (B, H, N, C, D)
 
     q_w = (q @ w[:, :, first:].transpose(-1, -2)).masked_fill(~inclusive, 0.0)  # q_i · w_t, t ≤ i
