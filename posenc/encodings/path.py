@@ -19,10 +19,11 @@ the projection before the convolution and β, per token (B, L, dim + H); the con
 
 - ``attention_weights`` is the reference: each product H_{j+1} ⋯ H_i materialised as a D × D matrix, one distance at
   a time (O(Lq·Lk·D²) work, O(Lq·D²) memory per step): obviously the formula, fine for short windows.
-- ``attend`` is exact and bounded: keys and queries in chunks of ``chunk`` positions, each chunk's product in the
-  compact UT form I − Uᵀ W (one C × C triangular solve per chunk, the paper's §3.2), keys carried to the end of
-  their chunk, queries to the start of theirs and then backwards one whole chunk at a time, an online softmax over
-  key chunks. Cost O(L²·D·(1 + D/C) + L·C·(C + D)) per head, memory O(L·C) per head at once; L/C sequential steps.
+- ``attend`` is exact and bounded: keys and queries in chunks of C ≈ √L positions (16 up to ``chunk``), each
+  chunk's product in the compact UT form I − Uᵀ W (one C × C triangular solve per chunk, the paper's §3.2), keys
+  carried to the end of their chunk, queries to the start of theirs and then backwards one whole chunk at a time, an
+  online softmax over key chunks. Cost O(L²·D·(1 + D/C) + L·C·(C + D)) per head, memory O(L·C) per head at once;
+  L/C sequential steps.
 - On CUDA, where the optional ``flash-linear-attention`` package is installed (``pip install posenc[fla]``) and the
   head dim is one its kernel takes (16 to 128), self-attention runs its Triton kernel instead (imported only
   there); cached decoding and everything else take the chunked path.
