@@ -118,10 +118,11 @@ def attention_call(
     """One attention layer's positional work: the scheme's rotation, then the backend with its bias.
 
     ``backend`` is a posenc backend, or one of the ``SDPA_KERNELS`` (SDPA held to one kernel, no bias: the
-    references, for NoPE only).
+    references, for NoPE only). A scheme that reads the layer's input computes its features from a random input
+    inside the timed call, as the attention layer does.
     """
     if backend in SDPA_KERNELS:
-        if encoding.adds_bias or encoding.adds_content_bias or encoding.rotates or encoding.replaces_softmax:
+        if encoding.adds_bias or encoding.adds_content_bias or encoding.rotates or encoding.supplies_attention:
             raise ValueError(
                 f"{backend} is a reference without a bias or rotation (a plain softmax); {encoding.name} is not"
             )
@@ -133,11 +134,15 @@ def attention_call(
 
         return reference
     attend = get_backend(backend)
-    pos = torch.arange(q.shape[-2], device=q.device)
+    batch, heads, length, head_dim = q.shape
+    pos = torch.arange(length, device=q.device)
+    reads_input = encoding.reads_layer_input
+    x = torch.randn(batch, length, heads * head_dim, device=q.device, dtype=q.dtype) if reads_input else None
 
     def call() -> torch.Tensor:
         rotated_q, rotated_k = encoding.rotate(q, k, pos, pos)
-        return attend(rotated_q, rotated_k, v, encoding, pos, pos)
+        features = encoding.token_features(x) if x is not None else None
+        return attend(rotated_q, rotated_k, v, encoding, pos, pos, features=features)
 
     return call
 

@@ -10,6 +10,8 @@ all cached positions (``k_pos``, Lq ≠ Lk):
 - relative biases are built by the backend from ``q_pos`` and ``k_pos``, so they span every cached key;
 - absolute embeddings see the new tokens' absolute positions, and the model's ``check_length`` refuses a
   continuation past ``max_positions`` before the first step.
+- features a scheme reads from the layer's input (``token_features``: FoX's log-gates, PaTH's Householder vectors)
+  are cached beside the keys, so a new query sees every cached key's features as the full forward does.
 
 Nothing here names a scheme: exactness follows from passing the contract the same positions as the full
 forward. ``tests/test_decoding.py`` checks the logits against the full forward for every registered scheme.
@@ -22,7 +24,7 @@ from torch import Tensor, nn
 
 
 class LayerCache:
-    """One layer's cached keys (unrotated) and values (B, H, Lk, D) and their positions (Lk,).
+    """One layer's cached keys (unrotated) and values (B, H, Lk, D), their positions (Lk,) and features (B, Lk, F).
 
     ``length`` counts the cached positions on the host: the decoder numbers positions 0, 1, 2, ... so it is also
     the next position, known without reading a device tensor back (a host sync per decoded token on a GPU).
@@ -32,18 +34,23 @@ class LayerCache:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.pos: Tensor | None = None
+        self.features: Tensor | None = None
         self.length = 0
 
-    def extend(self, k: Tensor, v: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Append the new keys, values and positions; return the whole cache (keys, values, positions)."""
+    def extend(
+        self, k: Tensor, v: Tensor, pos: Tensor, features: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Append the new keys, values, positions and features; return the whole cache in that order."""
         self.length += pos.shape[0]
         if self.k is None:  # the prompt: positions stay the queries' own tensor, so backends see self-attention
-            self.k, self.v, self.pos = k, v, pos
+            self.k, self.v, self.pos, self.features = k, v, pos, features
         else:
             self.k = torch.cat((self.k, k), dim=-2)
             self.v = torch.cat((self.v, v), dim=-2)
             self.pos = torch.cat((self.pos, pos))
-        return self.k, self.v, self.pos
+            if features is not None:
+                self.features = torch.cat((self.features, features), dim=1)
+        return self.k, self.v, self.pos, self.features
 
 
 class KVCache:

@@ -41,19 +41,23 @@ class Attention(nn.Module):
 
     def project(
         self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Rotated q (B, H, Lq, D), rotated k and v (B, H, Lk, D) over every visible position, and those positions."""
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """Rotated q (B, H, Lq, D), rotated k and v (B, H, Lk, D) over every visible position, and those positions.
+
+        Last, the keys' features (B, Lk, F) when the scheme reads the layer's input (``None`` otherwise).
+        """
         q, k, v = rearrange(self.qkv(x), "b l (three h d) -> three b h l d", three=3, h=self.heads)
+        features = self.encoding.token_features(x)
         k_pos = pos
         if cache is not None:  # keys are cached unrotated and rotated with the new queries (see posenc/decoding.py)
-            k, v, k_pos = cache.extend(k, v, pos)
+            k, v, k_pos, features = cache.extend(k, v, pos, features)
         q, k = self.encoding.rotate(q, k, pos, k_pos)
-        return q, k, v, k_pos
+        return q, k, v, k_pos, features
 
     def forward(self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None) -> Tensor:
-        q, k, v, k_pos = self.project(x, pos, cache)
-        backend = self.backend if cache is None else get_backend(decoding_backend(self.backend_name))
-        out = backend(q, k, v, self.encoding, pos, k_pos)  # (B, H, Lq, D)
+        q, k, v, k_pos, features = self.project(x, pos, cache)
+        backend = self.backend if cache is None else get_backend(decoding_backend(self.backend_name, self.encoding))
+        out = backend(q, k, v, self.encoding, pos, k_pos, features=features)  # (B, H, Lq, D)
         return self.proj(rearrange(out, "b h l d -> b l (h d)"))
 
 

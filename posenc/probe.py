@@ -2,9 +2,10 @@
 
 Hooks on each layer's attention read its input during an ordinary forward and recompute q and k through the
 layer's own ``project`` (the same rotation the layer applies); probabilities come from the dense reference
-(``attention_weights``: rotate, bias through the contract, causal softmax; or the weights of a scheme that replaces
-the softmax), so they are what every backend is tested to compute, whatever backend the model runs. Compiled blocks
-run uncompiled here (``eager_modules``), so the hooks fire, while the attention inside keeps its compiled kernels.
+(``attention_weights``: rotate, bias through the contract, causal softmax; or the dense weights of a scheme that
+supplies its own attention), so they are what every backend is tested to compute, whatever backend the model runs.
+Compiled blocks run uncompiled here (``eager_modules``), so the hooks fire, while the attention inside keeps its
+compiled kernels.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from posenc.attention.eager import attention_weights
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import eager_modules
 
-# visit(layer index, rotated q (B, H, L, D), rotated k (B, H, L, D), the layer's scheme, positions (L,))
-Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor], None]
+# visit(layer index, rotated q (B, H, L, D), rotated k (B, H, L, D), the layer's scheme, positions (L,), the keys'
+# features (B, L, F) for a scheme that reads the layer's input, else None)
+Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor, Tensor | None], None]
 
 MAX_MAP_ELEMENTS = 1 << 26  # one layer's (B, H, L, L) maps: 256 MiB of fp32
 
@@ -32,8 +34,8 @@ def visit_layers(model: nn.Module, tokens: Tensor, visit: Visit) -> Tensor:
 
         def hook(attention: nn.Module, args: tuple, index: int = index) -> None:
             x, pos = args[0], args[1]
-            q, k, _, k_pos = attention.project(x, pos)
-            visit(index, q, k, attention.encoding, k_pos)
+            q, k, _, k_pos, features = attention.project(x, pos)
+            visit(index, q, k, attention.encoding, k_pos, features)
 
         handles.append(block.attn.register_forward_pre_hook(hook))
     try:
@@ -59,9 +61,11 @@ def attention_maps(model: nn.Module, tokens: Tensor, layer: int) -> Tensor:
     wanted = layer % depth
     maps: list[Tensor] = []
 
-    def keep(index: int, q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor) -> None:
+    def keep(
+        index: int, q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor, features: Tensor | None
+    ) -> None:
         if index == wanted:
-            maps.append(attention_weights(q, k, encoding, pos, pos))
+            maps.append(attention_weights(q, k, encoding, pos, pos, features))
 
     was_training = model.training
     model.eval()

@@ -84,12 +84,23 @@ def make(name: str, heads: int = HEADS, head_dim: int = HEAD_DIM, **cfg):
     return build(name, num_heads=heads, head_dim=head_dim, **cfg)
 
 
+def layer_features(enc, batch: int, length: int, requires_grad: bool = False):
+    """What the attention layer passes a scheme that reads its input: ``token_features`` of a random input x (B, L,
+    dim), or ``None`` for a scheme that reads only q and k. With ``requires_grad`` the features carry x's gradient."""
+    if not enc.reads_layer_input:
+        return None
+    x = torch.randn(batch, length, enc.num_heads * enc.head_dim, requires_grad=requires_grad)
+    return enc.token_features(x)
+
+
 SCHEMES = available()
 BIAS_SCHEMES = [n for n in SCHEMES if make(n).adds_bias]
 # Position biases that are a function of i - j alone (FIRE's also depends on the query position past its threshold).
 DISTANCE_BIAS_SCHEMES = [n for n in BIAS_SCHEMES if make(n).distance_only]
 CONTENT_SCHEMES = [n for n in SCHEMES if make(n).adds_content_bias]
 RELATIVE_SCHEMES = [n for n in SCHEMES if not make(n).absolute]
+# Schemes whose attention is their own (not softmax(q·kᵀ/√D + bias)): their attend against their dense weights.
+SUPPLIED_SCHEMES = [n for n in SCHEMES if make(n).supplies_attention]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

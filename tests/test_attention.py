@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HEAD_DIM, HEADS, SCHEMES, make
+from conftest import HEAD_DIM, HEADS, SCHEMES, layer_features, make
 
 from posenc.attention import available_backends, get_backend
 from posenc.attention.auto import choose
@@ -22,24 +22,33 @@ def test_backend_registry() -> None:
         get_backend("fast")
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
+def _refusal(enc, backend: str) -> str | None:
+    """What a backend says, by the scheme's declarations, when it cannot run the scheme; ``None`` when it can."""
+    if backend == "scheme" and not enc.supplies_attention:
+        return "supplies none"
+    if backend in ("sdpa", "flex") and enc.supplies_attention:  # not softmax(q·kᵀ/√D + bias): refused, never run
+        return "supplies its own attention"
+    if backend == "flex" and enc.adds_content_bias:  # a score_mod cannot read q and k: refused, never dropped
+        return "content-dependent bias"
+    return None
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "auto", "scheme"])
 @pytest.mark.parametrize("name", [*SCHEMES, "rope+alibi", "alibi+t5+kerple_log"])
 def test_backend_matches_eager_fp32(name: str, backend: str) -> None:
     enc = make(name)
     pos = torch.arange(LENGTH)
     q, k, v = _qkv()
     q, k = enc.rotate(q, k, pos, pos)
-    if enc.adds_content_bias and backend == "flex":  # a score_mod cannot read q and k: refused, never dropped
-        with pytest.raises(ValueError, match="content-dependent bias"):
-            get_backend(backend)(q, k, v, enc, pos, pos)
-        return
-    if enc.replaces_softmax and backend == "flex":  # a softmax kernel cannot run it: refused, never substituted
-        with pytest.raises(ValueError, match=r"runs softmax attention, which .* replaces"):
-            get_backend(backend)(q, k, v, enc, pos, pos)
+    features = layer_features(enc, 2, LENGTH)
+    refusal = _refusal(enc, backend)
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
+            get_backend(backend)(q, k, v, enc, pos, pos, features=features)
         return
     with torch.no_grad():
-        expected = get_backend("eager")(q, k, v, enc, pos, pos)
-        got = get_backend(backend)(q, k, v, enc, pos, pos)
+        expected = get_backend("eager")(q, k, v, enc, pos, pos, features=features)
+        got = get_backend(backend)(q, k, v, enc, pos, pos, features=features)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 

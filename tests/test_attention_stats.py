@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import SCHEMES, make
+from conftest import SCHEMES, layer_features, make
 
 from posenc.evaluate.attention_stats import STATS, attention_statistics, layer_sums, mean_by_length
 from posenc.model import Decoder
@@ -30,12 +30,13 @@ def test_uniform_attention_has_the_textbook_values() -> None:
     assert sums["queries"].tolist() == [length - 1] * heads
 
 
-@pytest.mark.parametrize("name", ["alibi", "t5", "xpos"])
+@pytest.mark.parametrize("name", ["alibi", "t5", "xpos", "fox", "path"])
 def test_chunks_of_one_query_give_the_same_sums(name: str) -> None:
     q, k = torch.randn(2, 4, 33, 8), torch.randn(2, 4, 33, 8)
     encoding, pos = make(name), torch.arange(100, 133)
-    whole = layer_sums(q, k, encoding, pos, max_scores=1 << 20)
-    chunked = layer_sums(q, k, encoding, pos, max_scores=1)  # one query row per chunk
+    features = layer_features(encoding, 2, 33)  # each chunk sees the features of the keys it sees
+    whole = layer_sums(q, k, encoding, pos, max_scores=1 << 20, features=features)
+    chunked = layer_sums(q, k, encoding, pos, max_scores=1, features=features)  # one query row per chunk
     for key in whole:
         torch.testing.assert_close(chunked[key], whole[key], rtol=1e-6, atol=1e-6)
 
@@ -43,7 +44,7 @@ def test_chunks_of_one_query_give_the_same_sums(name: str) -> None:
 @pytest.mark.parametrize("name", [*SCHEMES, "rope+alibi", ["rope", "nope"]], ids=str)
 def test_statistics_are_those_of_the_layers_attention_maps(name) -> None:
     encoding = {"name": "learned", "max_positions": 64} if name == "learned" else name
-    model = Decoder(encoding=encoding, vocab_size=VOCAB, dim=32, depth=2, heads=4, attention="sdpa").eval()
+    model = Decoder(encoding=encoding, vocab_size=VOCAB, dim=32, depth=2, heads=4, attention="auto").eval()
     windows = torch.randint(0, VOCAB, (3, 20))
     rows = attention_statistics(model, windows, tokens_per_batch=40, max_scores=64)  # two batches, many chunks
     assert [(r["layer"], r["head"]) for r in rows] == [(layer, head) for layer in range(2) for head in range(4)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HEAD_DIM, HEADS, SCHEMES, make
+from conftest import HEAD_DIM, HEADS, SCHEMES, layer_features, make
 
 from posenc.attention import get_backend
 from posenc.attention.bias_grad import derivative_sums, diagonal_sums, row_deltas
@@ -40,6 +40,9 @@ def _forms(enc: PositionalEncoding, q_pos: torch.Tensor, k_pos: torch.Tensor) ->
     k = torch.randn(2, HEADS, len(k_pos), HEAD_DIM)
     forms = {}
     with torch.no_grad():
+        features = layer_features(enc, 2, len(k_pos))  # the keys' features of a scheme that reads the layer's input
+        if features is not None:
+            forms["token_features"] = features
         if enc.adds_bias:
             forms["bias"] = enc.bias(q_pos, k_pos)
             mod = enc.score_mod(num_distances=int(k_pos[-1]) + 1)
@@ -53,12 +56,14 @@ def _forms(enc: PositionalEncoding, q_pos: torch.Tensor, k_pos: torch.Tensor) ->
         if enc.distance_only:
             forms["distance_bias"] = enc.distance_bias(len(k_pos))
         if enc.adds_content_bias:
-            forms["content_bias"] = enc.content_bias(q, k, q_pos, k_pos)
-            key_term = enc.key_bias(k, k_pos)
+            forms["content_bias"] = enc.content_bias(q, k, q_pos, k_pos, features=features)
+            key_term = enc.key_bias(k, k_pos, features)
             if key_term is not None:
                 forms["key_bias"] = key_term
-        forms["attention_weights"] = attention_weights(q, k, enc, q_pos, k_pos)
-        forms["eager"] = get_backend("eager")(q, k, k, enc, q_pos, k_pos)
+        if enc.supplies_attention:
+            forms["attend"] = enc.attend(q, k, k, q_pos, k_pos, features)
+        forms["attention_weights"] = attention_weights(q, k, enc, q_pos, k_pos, features)
+        forms["eager"] = get_backend("eager")(q, k, k, enc, q_pos, k_pos, features=features)
     return forms
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SCHEMES
+from conftest import SCHEMES, SUPPLIED_SCHEMES, layer_features
 from conftest import make as make_scheme
 from helpers import HostReads
 
@@ -21,7 +21,8 @@ COMPOSED = ["rope+alibi", ["alibi", "rope"]]
 def tiny(encoding, **kwargs) -> Decoder:
     if encoding == "learned":
         encoding = {"name": "learned", "max_positions": 4 * TRAIN_LEN}
-    kwargs = {"vocab_size": VOCAB, "dim": 32, "depth": 2, "heads": 4, "attention": "sdpa", **kwargs}
+    # auto: sdpa on CPU for every scheme but one that supplies its own attention, which runs through its own (scheme)
+    kwargs = {"vocab_size": VOCAB, "dim": 32, "depth": 2, "heads": 4, "attention": "auto", **kwargs}
     model = Decoder(encoding=encoding, **kwargs).eval()
     with torch.no_grad():  # learnable biases start at zero or near it: make them matter
         for name, param in model.named_parameters():
@@ -53,22 +54,35 @@ def test_cached_decoding_matches_the_full_forward_past_the_training_length(name)
 
 @pytest.mark.parametrize("backend", available_backends())
 def test_cached_decoding_works_from_a_model_built_with_any_backend(backend: str) -> None:
-    model = tiny("rope+alibi", attention=backend, dim=64)  # head_dim 16: the smallest attention=triton takes
+    # A backend that runs only schemes supplying their own attention gets one of those; every other, a stack of biases.
+    name = f"rope+{SUPPLIED_SCHEMES[0]}" if backend == "scheme" else "rope+alibi"
+    model = tiny(name, attention=backend, dim=64)  # head_dim 16: the smallest attention=triton takes
     tokens = torch.randint(0, VOCAB, (1, 3 * TRAIN_LEN))
     with torch.no_grad():
         full = model(tokens)
     torch.testing.assert_close(cached_logits(model, tokens, TRAIN_LEN), full, atol=2e-5, rtol=1e-4)
 
 
-def test_decoding_backend_follows_what_backends_declare() -> None:
-    encoding = tiny("alibi").blocks[0].attn.encoding
+@pytest.mark.parametrize("scheme", ["alibi", *SUPPLIED_SCHEMES])
+def test_decoding_backend_follows_what_backends_declare(scheme: str) -> None:
+    encoding = tiny(scheme).blocks[0].attn.encoding
     q, k, v = torch.randn(3, 1, 4, 5, 8).unbind(0)
     q, pos = q[:, :, -2:], torch.arange(5)
-    reference = attention_weights(q, k, encoding, pos[-2:], pos) @ v
+    features = layer_features(encoding, 1, 5)
+    reference = attention_weights(q, k, encoding, pos[-2:], pos, features) @ v
+    answered = []
     for name in available_backends():
-        # The chosen backend takes a query suffix over the whole window, and agrees with the dense reference.
-        out = get_backend(decoding_backend(name))(q, k, v, encoding, pos[-2:], pos)
+        # The chosen backend takes a query suffix over the whole window, and agrees with the dense reference; one
+        # that cannot run the scheme at all (a model built with it never gets to decode) says so in one line.
+        chosen = decoding_backend(name, encoding)
+        try:
+            out = get_backend(chosen)(q, k, v, encoding, pos[-2:], pos, features=features)
+        except ValueError as refusal:
+            assert f"attention={chosen} runs softmax" in str(refusal) or "supplies none" in str(refusal)
+            continue
+        answered.append(chosen)
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert "eager" in answered and decoding_backend("auto", encoding) in answered
     assert decoding_backend("eager") == "eager" and decoding_backend("flex") != "flex"
 
 
@@ -123,7 +137,7 @@ def test_attention_maps_are_the_layers_probabilities(name) -> None:
     with torch.no_grad():
         model(tokens)
     hook.remove()
-    _, _, v, _ = attn.project(captured["x"], torch.arange(12))
+    _, _, v, _, _ = attn.project(captured["x"], torch.arange(12))
     replay = attn.proj((maps @ v.float()).transpose(1, 2).flatten(2))
     torch.testing.assert_close(replay, captured["out"], atol=1e-5, rtol=1e-4)
 

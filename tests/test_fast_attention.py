@@ -4,9 +4,12 @@ and the compile setting (compiled training itself: test_compiling.py)."""
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import pytest
 import torch
-from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, make
+from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, SUPPLIED_SCHEMES, layer_features, make
 from torch.nn.attention.flex_attention import create_block_mask
 
 import posenc.attention.bias_grad as bias_grad
@@ -16,6 +19,7 @@ from posenc.attention.bias_grad import diagonal_sums, row_deltas
 from posenc.attention.flex import _causal, build_causal_block_mask
 from posenc.attention.flex_learnable import supports
 from posenc.compiling import compile_blocks, should_compile
+from posenc.encodings import scheme_class, stack_members
 from posenc.encodings.base import DerivativeForm, TableForm
 from posenc.encodings.kerple import KerpleLog
 from posenc.model import Decoder
@@ -66,8 +70,9 @@ def _grads(backend: str, name: str, length: int, first_pos: int = 0, **cfg) -> l
     enc = make(name, **cfg)
     pos = torch.arange(first_pos, first_pos + length)
     q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
+    features = layer_features(enc, 2, length, requires_grad=True)  # for a scheme that reads the layer's input
     rotated_q, rotated_k = enc.rotate(q, k, pos, pos)
-    out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos)
+    out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos, features=features)
     weights = torch.randn(out.shape)
     (out * weights).sum().backward()
     return [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in enc.parameters() if p.requires_grad)]
@@ -95,6 +100,31 @@ def test_every_backend_auto_may_choose_matches_eager_values_and_gradients(name: 
             torch.testing.assert_close(
                 value, reference, atol=atol, rtol=1e-4, msg=lambda m, b=backend, i=index: f"{b}, tensor {i}: {m}"
             )
+
+
+SUPPLIED = [*SUPPLIED_SCHEMES, *(f"rope+{name}" for name in SUPPLIED_SCHEMES)]
+
+
+def _chunks_of_8(name: str) -> dict[str, Any]:
+    """Options giving every member that takes a ``chunk`` size chunks of 8 keys (a stack's under the member's name)."""
+    members = stack_members(name)
+    chunked = [m for m in members if "chunk" in inspect.signature(scheme_class(m)).parameters]
+    if len(members) == 1:
+        return {"chunk": 8} if chunked else {}
+    return {member: {"chunk": 8} for member in chunked}
+
+
+@pytest.mark.parametrize("length", [5, 16, 37])  # under one chunk of 8, two whole chunks, and 4 chunks and a part
+@pytest.mark.parametrize("name", SUPPLIED)
+def test_a_supplied_attention_matches_its_dense_reference_values_and_gradients(name: str, length: int) -> None:
+    options = _chunks_of_8(name)  # so that these lengths cross chunk boundaries
+    expected = _grads("eager", name, length, **options)
+    got = _grads(choose(make(name), is_cuda=False), name, length, **options)
+    assert len(got) == len(expected) >= 4
+    assert all(grad.abs().sum() > 0 for grad in expected[4:])  # the scheme's parameters, if any, receive gradients
+    for index, (value, reference) in enumerate(zip(got, expected, strict=True)):
+        assert value is not None, index
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4, msg=lambda m, i=index: f"tensor {i}: {m}")
 
 
 def test_t5_last_bucket_gradient_comes_from_the_row_sums() -> None:
@@ -227,15 +257,11 @@ def test_flex_learnable_forward_matches_eager_for_every_scheme(name: str) -> Non
     enc = make(name)
     pos = torch.arange(29)
     q, k, v = (torch.randn(2, HEADS, 29, HEAD_DIM, requires_grad=True) for _ in range(3))
-    if enc.adds_content_bias:  # a score_mod cannot read q and k: both flex backends refuse, never drop it
+    # A score_mod cannot read q and k, nor replace the attention: both flex backends refuse, never drop it.
+    if enc.adds_content_bias or enc.supplies_attention:
         for backend in ("flex", "flex_learnable"):
-            with pytest.raises(ValueError, match="content-dependent bias"):
-                get_backend(backend)(q, k, v, enc, pos, pos)
-        return
-    if enc.replaces_softmax:  # no softmax for a score_mod to modify: both flex backends refuse it
-        for backend in ("flex", "flex_learnable"):
-            with pytest.raises(ValueError, match=r"runs softmax attention, which .* replaces"):
-                get_backend(backend)(q, k, v, enc, pos, pos)
+            with pytest.raises(ValueError, match=r"content-dependent bias|supplies its own attention"):
+                get_backend(backend)(q, k, v, enc, pos, pos, features=layer_features(enc, 2, 29))
         return
     with torch.no_grad():  # inputs that require grad, as in evaluation of a training model
         got = get_backend("flex_learnable")(q, k, v, enc, pos, pos)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, make
+from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, layer_features, make
 
 from posenc.attention import get_backend
 from posenc.attention.flex_learnable import supports
@@ -90,16 +90,20 @@ def test_gradient_forms_hold_at_long_distances(name: str) -> None:
             torch.testing.assert_close(form.table.detach()[:, form.index[distance]], bias.detach()[:, q_idx, k_idx])
 
 
-@pytest.mark.parametrize(
-    "name", [n for n in SCHEMES if make(n).key_bias(torch.zeros(1, HEADS, 1, HEAD_DIM), K_POS[:1]) is not None]
-)
+def _declares_key_bias(name: str) -> bool:
+    enc = make(name)
+    return enc.key_bias(torch.zeros(1, HEADS, 1, HEAD_DIM), K_POS[:1], layer_features(enc, 1, 1)) is not None
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEMES if _declares_key_bias(n)])
 def test_key_terms_fold_the_content_bias_at_long_positions(name: str) -> None:
     enc = make(name)
     q = torch.randn(1, HEADS, len(Q_POS), HEAD_DIM)
     k = torch.randn(1, HEADS, len(K_POS), HEAD_DIM)
     with torch.no_grad():
-        dense = enc.content_bias(q, k, Q_POS, K_POS)
-        rest = dense - enc.key_bias(k, K_POS)[:, :, None, :]  # r_i + t_j - t_j: constant along each causal row
+        features = layer_features(enc, 1, len(K_POS))
+        dense = enc.content_bias(q, k, Q_POS, K_POS, features=features)
+        rest = dense - enc.key_bias(k, K_POS, features)[:, :, None, :]  # r_i + t_j - t_j: constant along each row
     for row, query in enumerate(Q_POS.tolist()):
         spread = rest[..., row, : query + 1]
         torch.testing.assert_close(spread, spread[..., :1].expand_as(spread), atol=1e-3, rtol=RTOL)
@@ -137,10 +141,9 @@ def test_flex_learnable_values_and_bias_gradients_equal_eager_past_2048(name: st
         torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("name", [n for n in SCHEMES if make(n).replaces_softmax])
-def test_own_attention_in_fp32_equals_fp64_past_2048(name: str) -> None:
-    # A scheme that replaces the softmax sums log-sticks along whole rows: fp32 must hold them over 2,304 keys.
-    enc = make(name)
+def test_stick_breaking_in_fp32_equals_fp64_past_2048() -> None:
+    # Stick-breaking multiplies a stick along whole rows: fp32 must hold the products over 2,304 keys.
+    enc = make("stick_breaking")
     pos = torch.arange(OFFSET, OFFSET + LONG)
     q, k, v = (torch.randn(1, HEADS, LONG, HEAD_DIM, dtype=torch.float64) for _ in range(3))
     with torch.no_grad():

@@ -18,7 +18,8 @@ HYBRIDS = ["rope+alibi", ["rope", "rope", "rope", "nope"], ["rope+alibi", "nope"
 def tiny(encoding, **kwargs) -> Decoder:
     if encoding == "learned":
         encoding = {"name": "learned", "max_positions": 32}
-    kwargs = {"vocab_size": VOCAB, "dim": 32, "depth": 2, "heads": 4, "attention": "sdpa", **kwargs}
+    # auto: sdpa on CPU for every scheme but one that supplies its own attention, which runs its own (scheme)
+    kwargs = {"vocab_size": VOCAB, "dim": 32, "depth": 2, "heads": 4, "attention": "auto", **kwargs}
     return Decoder(encoding=encoding, **kwargs).eval()
 
 

@@ -1,5 +1,7 @@
-"""Schemes that replace the softmax: the contract (parametrised over the registry by declaration), the blocked path
-against the dense reference, the refusals, and stick-breaking's formula on hand-computed values."""
+"""Schemes that supply their own attention: the contract (parametrised over the registry by declaration), the
+refusals, auto's and cached decoding's choice, and stick-breaking's blocked path against its dense reference and its
+formula on hand-computed values (PaTH's are in tests/test_fox_path.py; every scheme's fast path against its
+reference, values and gradients, in tests/test_fast_attention.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +9,18 @@ import math
 
 import pytest
 import torch
-from conftest import HEAD_DIM, HEADS, SCHEMES, make
+from conftest import HEAD_DIM, HEADS, SCHEMES, SUPPLIED_SCHEMES, layer_features, make
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import posenc.attention.triton_table as triton_table
-from posenc.attention import get_backend
+from posenc.attention import available_backends, decoding_backend, get_backend
 from posenc.attention.auto import choose
 from posenc.encodings.stick_breaking import stick_breaking_attention
 from posenc.lane.flex import cases, not_on_flex, skipped
 
-REPLACING = [name for name in SCHEMES if make(name).replaces_softmax]
 ROTARY = next(name for name in SCHEMES if make(name).rotates and not make(name).adds_bias)
-CASES = [*REPLACING, *(f"{ROTARY}+{name}" for name in REPLACING)]
+CASES = [*SUPPLIED_SCHEMES, *(f"{ROTARY}+{name}" for name in SUPPLIED_SCHEMES)]
+STICK_CASES = ["stick_breaking", f"{ROTARY}+stick_breaking"]
 
 
 def _grads(attend, name: str, length: int, first_pos: int = 0) -> list[torch.Tensor]:
@@ -27,18 +29,19 @@ def _grads(attend, name: str, length: int, first_pos: int = 0) -> list[torch.Ten
     enc = make(name)
     pos = torch.arange(first_pos, first_pos + length)
     q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
+    features = layer_features(enc, 2, length)
     rotated_q, rotated_k = enc.rotate(q, k, pos, pos)
-    out = attend(rotated_q, rotated_k, v, enc, pos, pos)
+    out = attend(rotated_q, rotated_k, v, enc, pos, pos, features)
     (out * torch.randn(out.shape)).sum().backward()
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def _dense(q, k, v, enc, q_pos, k_pos) -> torch.Tensor:
-    return get_backend("eager")(q, k, v, enc, q_pos, k_pos)
+def _dense(q, k, v, enc, q_pos, k_pos, features=None) -> torch.Tensor:
+    return get_backend("eager")(q, k, v, enc, q_pos, k_pos, features=features)
 
 
-def test_some_registered_scheme_replaces_the_softmax() -> None:
-    assert "stick_breaking" in REPLACING  # otherwise every test below would test nothing
+def test_some_registered_schemes_supply_their_own_attention() -> None:
+    assert {"path", "stick_breaking"} <= set(SUPPLIED_SCHEMES)  # otherwise the tests below would test less
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -46,7 +49,7 @@ def test_weights_are_a_causal_distribution_in_fp32(name: str) -> None:
     enc = make(name)
     pos = torch.arange(20)
     q, k = enc.rotate(torch.randn(2, HEADS, 20, HEAD_DIM), torch.randn(2, HEADS, 20, HEAD_DIM), pos, pos)
-    weights = enc.attention_weights(q, k, pos, pos)
+    weights = enc.attention_weights(q, k, pos, pos, layer_features(enc, 2, 20))
     assert weights.dtype == torch.float32 and weights.shape == (2, HEADS, 20, 20)
     assert torch.all(weights >= 0) and torch.all(weights.triu(diagonal=1) == 0)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, HEADS, 20))
@@ -54,15 +57,110 @@ def test_weights_are_a_causal_distribution_in_fp32(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", CASES)
+def test_auto_and_cached_decoding_run_the_schemes_own_attention_and_sdpa_refuses_it(name: str) -> None:
+    enc = make(name)
+    assert choose(enc, is_cuda=True) == choose(enc, is_cuda=False) == "scheme"
+    # A backend without query suffixes hands cached decoding to the scheme's attention, never to a softmax.
+    assert {decoding_backend(backend, enc) for backend in ("flex", "flex_learnable", "triton", "auto")} == {"scheme"}
+    expected = _grads(_dense, name, 29)
+    for value, reference in zip(_grads(get_backend("scheme"), name, 29), expected, strict=True):
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="attention=sdpa runs softmax"):
+        _grads(get_backend("sdpa"), name, 29)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_query_suffix_over_cached_keys_gives_the_full_rows(name: str) -> None:
+    enc = make(name)
+    pos = torch.arange(100, 140)
+    q, k, v = (torch.randn(2, HEADS, 40, HEAD_DIM) for _ in range(3))
+    features = layer_features(enc, 2, 40)  # cached beside the keys: every key's, whatever the queries
+    with torch.no_grad():
+        full = enc.attend(q, k, v, pos, pos, features)
+        weights = enc.attention_weights(q, k, pos, pos, features)
+        for start in (39, 23, 1):
+            rows = enc.attend(q[:, :, start:], k, v, pos[start:], pos, features)
+            torch.testing.assert_close(rows, full[:, :, start:], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(
+                enc.attention_weights(q[:, :, start:], k, pos[start:], pos, features), weights[:, :, start:]
+            )
+
+
+@pytest.mark.parametrize("name", SUPPLIED_SCHEMES)
+def test_shift_of_every_position_changes_nothing(name: str) -> None:
+    torch.testing.assert_close(_grads(_dense, name, 30), _grads(_dense, name, 30, first_pos=1000))
+
+
+@pytest.mark.parametrize("name", SUPPLIED_SCHEMES)
+def test_a_later_token_never_changes_an_earlier_row(name: str) -> None:
+    enc = make(name)
+    pos = torch.arange(12)
+    q, k, v = (torch.randn(1, HEADS, 12, HEAD_DIM) for _ in range(3))
+    x = torch.randn(1, 12, HEADS * HEAD_DIM)  # the layer's input, for a scheme that reads it
+    changed_k, changed_v, changed_x = k.clone(), v.clone(), x.clone()
+    for tensor in (changed_k, changed_v):
+        tensor[:, :, 8] += 1.0
+    changed_x[:, 8] += 1.0
+    with torch.no_grad():
+        features, changed_features = (enc.token_features(t) for t in (x, changed_x))
+        before = enc.attend(q, k, v, pos, pos, features)
+        after = enc.attend(q, changed_k, changed_v, pos, pos, changed_features)
+    torch.testing.assert_close(before[:, :, :8], after[:, :, :8])
+    assert not torch.allclose(before[:, :, 8:], after[:, :, 8:])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "flex_learnable", "triton"])
+@pytest.mark.parametrize("name", SUPPLIED_SCHEMES)
+def test_softmax_backends_refuse_it_in_one_line(name: str, backend: str) -> None:
+    enc = make(name)
+    pos = torch.arange(8)
+    q = torch.randn(1, HEADS, 8, 16)
+    call = triton_table.check_supported if backend == "triton" else get_backend(backend)
+    with pytest.raises(ValueError, match=rf"attention={backend} runs softmax") as refusal:
+        call(q, q, q, enc, pos, pos)
+    assert "\n" not in str(refusal.value) and "attention=auto, scheme or eager" in str(refusal.value)
+
+
+def test_the_scheme_backend_refuses_a_softmax_scheme_and_every_backend_is_covered() -> None:
+    pos = torch.arange(8)
+    q = torch.randn(1, HEADS, 8, HEAD_DIM)
+    with pytest.raises(ValueError, match="attention=scheme runs a scheme's own attention, and alibi supplies none"):
+        get_backend("scheme")(q, q, q, make("alibi"), pos, pos)
+    # Every backend either refuses such a scheme (above) or runs it (eager, scheme, auto): none is left unchecked.
+    assert set(available_backends()) == {"sdpa", "flex", "flex_learnable", "triton", "eager", "scheme", "auto"}
+
+
+@pytest.mark.parametrize("name", SUPPLIED_SCHEMES)
+def test_a_stack_adds_no_bias_and_no_second_attention_to_it(name: str) -> None:
+    biased = next(n for n in SCHEMES if make(n).adds_bias)
+    with pytest.raises(ValueError, match=f"{name} supplies its own attention, with no softmax score for {biased} "):
+        make(f"{biased}+{name}")
+    other = next(n for n in SUPPLIED_SCHEMES if n != name)
+    with pytest.raises(ValueError, match=f"{name} supplies its own attention, with no softmax score for {other} "):
+        make(f"{name}+{other}")
+    assert make(f"{ROTARY}+{name}").supplies_attention
+
+
+@pytest.mark.parametrize("name", SUPPLIED_SCHEMES)
+def test_the_lane_says_why_it_compiles_nothing_for_it(name: str) -> None:
+    assert "supplies its own attention" in not_on_flex(make(name)) and "supplies its own attention" in skipped()[name]
+    with pytest.raises(ValueError, match=f"nothing to compile for {name}: it supplies its own attention"):
+        cases([name])
+
+
+# --- stick-breaking's blocked path ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", STICK_CASES)
 @pytest.mark.parametrize("rows", [1, 4, 7, 37, None])
 @pytest.mark.parametrize("length", [37, 64])
 def test_blocked_path_matches_the_dense_reference_values_and_gradients(name: str, rows: int, length: int) -> None:
     expected = _grads(_dense, name, length, first_pos=5)
 
-    def blocked(q, k, v, enc, q_pos, k_pos):
-        return (
-            enc.attend(q, k, v, q_pos, k_pos) if rows is None else stick_breaking_attention(q, k, v, q_pos, k_pos, rows)
-        )
+    def blocked(q, k, v, enc, q_pos, k_pos, features):
+        if rows is None:
+            return enc.attend(q, k, v, q_pos, k_pos, features)
+        return stick_breaking_attention(q, k, v, q_pos, k_pos, rows)
 
     for value, reference in zip(_grads(blocked, name, length, first_pos=5), expected, strict=True):
         torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
@@ -84,49 +182,6 @@ def test_large_scores_stay_finite_and_match_the_reference(scale: float) -> None:
     for value, reference in zip(*grads, strict=True):
         assert torch.isfinite(value).all()
         torch.testing.assert_close(value, reference, atol=1e-4 * max(1.0, reference.abs().max().item()), rtol=1e-3)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_every_backend_auto_may_choose_runs_the_schemes_own_attention(name: str) -> None:
-    enc = make(name)
-    assert choose(enc, is_cuda=True) == choose(enc, is_cuda=False) == "sdpa"
-    expected = _grads(_dense, name, 29)
-    for backend in ("sdpa", "auto"):
-        for value, reference in zip(_grads(get_backend(backend), name, 29), expected, strict=True):
-            torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_query_suffix_over_cached_keys_gives_the_full_rows(name: str) -> None:
-    enc = make(name)
-    pos = torch.arange(100, 140)
-    q, k, v = (torch.randn(2, HEADS, 40, HEAD_DIM) for _ in range(3))
-    with torch.no_grad():
-        full = enc.attend(q, k, v, pos, pos)
-        weights = enc.attention_weights(q, k, pos, pos)
-        for start in (39, 23, 1):
-            torch.testing.assert_close(enc.attend(q[:, :, start:], k, v, pos[start:], pos), full[:, :, start:])
-            torch.testing.assert_close(
-                enc.attention_weights(q[:, :, start:], k, pos[start:], pos), weights[:, :, start:]
-            )
-
-
-@pytest.mark.parametrize("name", REPLACING)
-def test_shift_of_every_position_changes_nothing(name: str) -> None:
-    torch.testing.assert_close(_grads(_dense, name, 30), _grads(_dense, name, 30, first_pos=1000))
-
-
-@pytest.mark.parametrize("name", REPLACING)
-def test_a_later_key_never_changes_an_earlier_row(name: str) -> None:
-    enc = make(name)
-    pos = torch.arange(12)
-    q, k, v = (torch.randn(1, HEADS, 12, HEAD_DIM) for _ in range(3))
-    changed_k, changed_v = k.clone(), v.clone()
-    changed_k[:, :, 8] += 1.0
-    changed_v[:, :, 8] += 1.0
-    before, after = enc.attend(q, k, v, pos, pos), enc.attend(q, changed_k, changed_v, pos, pos)
-    torch.testing.assert_close(before[:, :, :8], after[:, :, :8])
-    assert not torch.allclose(before[:, :, 8:], after[:, :, 8:])
 
 
 def test_blocked_path_never_holds_more_than_a_block_of_scores() -> None:
@@ -162,29 +217,6 @@ def test_bf16_autocast_is_close_to_fp32_and_keeps_the_arithmetic_in_fp32() -> No
     torch.testing.assert_close(out.float(), reference, atol=3e-2, rtol=3e-2)
     out.float().square().sum().backward()
     assert all(t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad).all() for t in low)
-
-
-@pytest.mark.parametrize("backend", ["flex", "flex_learnable", "triton"])
-def test_softmax_kernels_refuse_it_in_one_line(backend: str) -> None:
-    enc = make("stick_breaking")
-    pos = torch.arange(8)
-    q = torch.randn(1, HEADS, 8, 16)
-    call = triton_table.check_supported if backend == "triton" else get_backend(backend)
-    with pytest.raises(ValueError, match=rf"attention={backend} runs softmax attention") as refusal:
-        call(q, q, q, enc, pos, pos)
-    assert "\n" not in str(refusal.value) and "attention=auto, sdpa or eager" in str(refusal.value)
-
-
-def test_a_stack_adds_no_bias_to_a_replaced_softmax() -> None:
-    with pytest.raises(ValueError, match="stick_breaking replaces the softmax, so there is no softmax for alibi"):
-        make("alibi+stick_breaking")
-
-
-@pytest.mark.parametrize("name", REPLACING)
-def test_the_lane_says_why_it_compiles_nothing_for_it(name: str) -> None:
-    assert "replaces the softmax" in not_on_flex(make(name)) and "replaces the softmax" in skipped()[name]
-    with pytest.raises(ValueError, match=f"nothing to compile for {name}: it replaces the softmax"):
-        cases([name])
 
 
 # --- stick-breaking's formula on hand-computed values --------------------------------------------------------

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HEAD_DIM, HEADS, SCHEMES, make
+from conftest import HEAD_DIM, HEADS, SCHEMES, layer_features, make
 from torch.profiler import ProfilerActivity, profile
 
 import posenc.attention.sdpa as sdpa
 from posenc.attention import get_backend
 from posenc.model import Decoder
 
+# sdpa refuses a scheme that supplies its own attention (tests/test_attention.py): every other scheme is its.
+SDPA_SCHEMES = [n for n in [*SCHEMES, "rope+alibi"] if not make(n).supplies_attention]
 FLASH_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"
 
@@ -24,7 +26,8 @@ def _sdpa_kernels(name: str, queries: int, keys: int, train: bool) -> set[str]:
     k, v = (torch.randn(2, HEADS, keys, HEAD_DIM, requires_grad=train) for _ in range(2))
     with profile(activities=[ProfilerActivity.CPU]) as prof, torch.set_grad_enabled(train):
         rotated_q, rotated_k = enc.rotate(q, k, q_pos, k_pos)
-        out = get_backend("sdpa")(rotated_q, rotated_k, v, enc, q_pos, k_pos)
+        features = layer_features(enc, 2, keys, requires_grad=train)
+        out = get_backend("sdpa")(rotated_q, rotated_k, v, enc, q_pos, k_pos, features=features)
         if train:
             out.sum().backward()
     return {event.name for event in prof.events() if "scaled_dot_product" in event.name}
@@ -32,7 +35,7 @@ def _sdpa_kernels(name: str, queries: int, keys: int, train: bool) -> set[str]:
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("queries", [33, 5], ids=["self-attention", "query-suffix"])
-@pytest.mark.parametrize("name", [*SCHEMES, "rope+alibi", "rope+alibi_dd", "alibi+cope"])
+@pytest.mark.parametrize("name", [*SDPA_SCHEMES, "rope+alibi_dd", "alibi+cope"])
 def test_sdpa_takes_the_cpu_flash_kernel(name: str, queries: int, train: bool) -> None:
     # A 3-D (H, Lq, Lk) mask sends SDPA to its math kernel, several times slower on CPU: masks must arrive 4-D.
     # A mask that needs a gradient (a learnable or content-dependent bias, training) can only go to the math
@@ -41,7 +44,7 @@ def test_sdpa_takes_the_cpu_flash_kernel(name: str, queries: int, train: bool) -
     # that reads the scores (reads_scores) trains through a plain softmax of the scores it already has: no SDPA.
     enc = make(name)
     kernels = _sdpa_kernels(name, queries, keys=33, train=train)
-    term = enc.key_bias(torch.zeros(1, HEADS, 2, HEAD_DIM), torch.arange(2))
+    term = enc.key_bias(torch.zeros(1, HEADS, 2, HEAD_DIM), torch.arange(2), layer_features(enc, 1, 2))
     folded = enc.adds_content_bias and not enc.adds_bias and term is not None
     if train and enc.reads_scores:
         assert MATH not in kernels and FLASH_CPU not in kernels, kernels
@@ -75,9 +78,7 @@ def _count_bias_calls(model: Decoder, monkeypatch: pytest.MonkeyPatch) -> list[i
     return calls
 
 
-@pytest.mark.parametrize(
-    "name", [n for n in [*SCHEMES, "rope+alibi"] if make(n).adds_bias and not make(n).learnable_bias]
-)
+@pytest.mark.parametrize("name", [n for n in SDPA_SCHEMES if make(n).adds_bias and not make(n).learnable_bias])
 def test_fixed_bias_is_built_once_for_every_layer_and_window(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sdpa.MASKS.clear()
     model, _ = _pair(name)
@@ -93,7 +94,7 @@ def test_fixed_bias_is_built_once_for_every_layer_and_window(name: str, monkeypa
     assert calls[0] == 2 * members
 
 
-@pytest.mark.parametrize("name", [*SCHEMES, "rope+alibi"])
+@pytest.mark.parametrize("name", SDPA_SCHEMES)
 def test_reused_bias_equals_the_reference_and_follows_parameter_changes(name: str) -> None:
     # No-grad forwards fill the cache (learnable biases included); a training forward after them must still give
     # every parameter its gradient, and a change of the parameters must never be answered with an old bias.

@@ -3,30 +3,51 @@
 Every backend computes the same thing, softmax(q·kᵀ/√d + bias, causal) · v, and asks the scheme for its bias in
 the form it can use: ``eager`` the dense ``bias()``, ``sdpa`` the dense bias as an attention mask (or none, for
 the flash path), ``flex`` the ``score_mod``. A backend that cannot honour a scheme raises; none drops a bias.
-``auto`` picks, per call, a backend that works for the device and the scheme.
+``auto`` picks, per call, a backend that works for the device and the scheme. A scheme that reads the layer's input
+gets its keys' ``features`` from every backend.
 
-A scheme that replaces the softmax (``replaces_softmax``: stick-breaking) has no softmax to bias: ``eager`` multiplies
-its dense reference weights by v, ``sdpa`` and ``auto`` run its own memory-bounded ``attend``, and the backends built
-around a softmax kernel refuse it (``refuse_own_attention``).
+A scheme that supplies its own attention (``supplies_attention``: PaTH, stick-breaking) is not a softmax with a bias:
+``eager`` multiplies its dense reference weights by v, ``scheme`` runs its own memory-bounded ``attend`` (``auto``
+picks it, and cached decoding falls back to it), and every backend built around softmax(q·kᵀ/√D + bias) refuses it
+in one line (``refuse_supplied_attention``): none runs a softmax in its place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from torch import Tensor
 
 from posenc.encodings.base import PositionalEncoding
 
-# (q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, D), encoding, q_pos (Lq,), k_pos (Lk,)) -> (B, H, Lq, D)
-Backend = Callable[[Tensor, Tensor, Tensor, PositionalEncoding, Tensor, Tensor], Tensor]
+
+class Backend(Protocol):
+    """Causal attention over rotated q, k, v, honouring the scheme: (B, H, Lq, D).
+
+    q (B, H, Lq, D), k and v (B, H, Lk, D), the scheme, q_pos (Lq,), k_pos (Lk,), and ``features`` (B, Lk, F): the
+    keys' ``token_features`` of a scheme that reads the layer's input (``None`` for every other scheme).
+    """
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        encoding: PositionalEncoding,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        features: Tensor | None = None,
+    ) -> Tensor: ...
+
 
 _BACKENDS: dict[str, Backend] = {}
 # Backends that accept queries at a suffix of the key positions (Lq < Lk, q_pos = k_pos[-Lq:]), as cached
 # decoding calls them: new queries over every cached key.
 _QUERY_SUFFIX: set[str] = set()
 # What cached decoding uses when the model's backend cannot take a query suffix (flex's kernel is self-attention
-# over one window): exact for every scheme, with a (Lq × Lk) mask that is one row per decoded token.
+# over one window): exact for every softmax scheme, with a (Lq × Lk) mask that is one row per decoded token. A
+# scheme that supplies its own attention falls back to ``scheme`` instead (``decoding_backend``).
 DECODING_FALLBACK = "sdpa"
 
 
@@ -45,7 +66,8 @@ def register_backend(name: str, *, query_suffix: bool = False) -> Callable[[Back
 def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
     """Refuse a bias that reads q and k in a backend that sees positions only (a score_mod, a distance table).
 
-    Such a backend would otherwise run the scheme with no bias at all; every one of them calls this first.
+    Such a backend would otherwise run the scheme with no bias at all; every one of them calls this, after
+    ``refuse_supplied_attention``.
     """
     if encoding.adds_content_bias:
         raise ValueError(
@@ -54,22 +76,29 @@ def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
         )
 
 
-def refuse_own_attention(encoding: PositionalEncoding, backend: str) -> None:
-    """Refuse a scheme that replaces the softmax in a backend whose kernel is a softmax (flex, flex_learnable, triton).
+def refuse_supplied_attention(encoding: PositionalEncoding, backend: str) -> None:
+    """Refuse a scheme that supplies its own attention in a backend that computes softmax(q·kᵀ/√D + bias).
 
-    Such a backend would otherwise run softmax attention in the scheme's place; every one of them calls this first.
+    Such a backend (sdpa, flex, flex_learnable, triton) would otherwise run softmax attention in the scheme's place;
+    every one of them calls this first.
     """
-    if encoding.replaces_softmax:
+    if encoding.supplies_attention:
         raise ValueError(
-            f"attention={backend} runs softmax attention, which {encoding.label} replaces with its own; "
-            "use attention=auto, sdpa or eager"
+            f"attention={backend} runs softmax(q·kᵀ/√D + bias) attention and {encoding.label} supplies its own "
+            "attention instead; use attention=auto, scheme or eager"
         )
 
 
-def decoding_backend(name: str) -> str:
-    """The backend cached decoding uses for a model built with ``name``: itself if it takes a query suffix."""
+def decoding_backend(name: str, encoding: PositionalEncoding | None = None) -> str:
+    """The backend cached decoding uses for a model built with ``name`` and ``encoding``.
+
+    Itself if it takes a query suffix; else the scheme's own attention for a scheme that supplies one; else
+    ``DECODING_FALLBACK``.
+    """
     _load()
-    return name if name in _QUERY_SUFFIX else DECODING_FALLBACK
+    if name in _QUERY_SUFFIX:
+        return name
+    return "scheme" if encoding is not None and encoding.supplies_attention else DECODING_FALLBACK
 
 
 def available_backends() -> list[str]:
@@ -87,7 +116,7 @@ def get_backend(name: str) -> Backend:
 
 
 def _load() -> None:
-    from posenc.attention import auto, eager, flex, flex_learnable, sdpa, triton_table  # noqa: F401 - registration
+    from posenc.attention import auto, eager, flex, flex_learnable, scheme, sdpa, triton_table  # noqa: F401 - registration
 
 
 __all__ = [
@@ -96,6 +125,6 @@ __all__ = [
     "decoding_backend",
     "get_backend",
     "refuse_content_bias",
-    "refuse_own_attention",
+    "refuse_supplied_attention",
     "register_backend",
 ]

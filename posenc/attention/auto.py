@@ -11,12 +11,13 @@
   evaluates (no gradients) through ``flex``;
 - a bias on CPU → ``sdpa`` with the bias as a chunked mask (FlexAttention has no CPU backward, and SDPA is the
   faster CPU path anyway);
-- a content-dependent bias (CoPE, DAPE, data-dependent ALiBi), any device → ``sdpa`` with the bias computed per
-  query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it;
-- a scheme that replaces the softmax (stick-breaking), any device → ``sdpa``, which runs the scheme's own
-  memory-bounded ``attend`` (no softmax kernel applies; ``flex``, ``flex_learnable`` and ``triton`` refuse it).
+- a content-dependent bias (CoPE, DAPE, data-dependent ALiBi, FoX), any device → ``sdpa`` with the bias computed
+  per query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it;
+- a scheme that supplies its own attention (PaTH, stick-breaking), any device → ``scheme``: the scheme's own
+  memory-bounded ``attend`` (no softmax kernel computes it; ``sdpa``, ``flex``, ``flex_learnable`` and ``triton``
+  refuse it).
 
-The choice reads only what the scheme declares (``replaces_softmax``, ``adds_content_bias``, ``adds_bias``,
+The choice reads only what the scheme declares (``supplies_attention``, ``adds_content_bias``, ``adds_bias``,
 ``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``) and whether gradients are being recorded.
 """
 
@@ -33,7 +34,9 @@ from posenc.runtime import cuda_path
 
 def choose(encoding: PositionalEncoding, is_cuda: bool, training: bool = True) -> str:
     """Name of the backend ``auto`` uses for this scheme on this kind of device, training or not."""
-    if encoding.replaces_softmax or encoding.adds_content_bias or not encoding.adds_bias or not is_cuda:
+    if encoding.supplies_attention:
+        return "scheme"
+    if encoding.adds_content_bias or not encoding.adds_bias or not is_cuda:
         return "sdpa"
     if encoding.learnable_bias and supports(encoding):
         return "flex_learnable"
@@ -44,7 +47,13 @@ def choose(encoding: PositionalEncoding, is_cuda: bool, training: bool = True) -
 
 @register_backend("auto")
 def auto_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
     backend = choose(encoding, cuda_path(q), training=torch.is_grad_enabled())
-    return get_backend(backend)(q, k, v, encoding, q_pos, k_pos)
+    return get_backend(backend)(q, k, v, encoding, q_pos, k_pos, features=features)

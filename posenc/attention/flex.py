@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from posenc.attention import refuse_content_bias, refuse_own_attention, register_backend
+from posenc.attention import refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.encodings.base import PositionalEncoding, ScoreMod
 from posenc.runtime import cuda_path
 
@@ -224,8 +224,16 @@ def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> 
 
 
 @register_backend("flex")
-def flex_backend(q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    refuse_own_attention(encoding, "flex")
+def flex_backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
+) -> Tensor:
+    refuse_supplied_attention(encoding, "flex")
     refuse_content_bias(encoding, "flex")
     check_self_attention(q, k, q_pos, k_pos)
     if not cuda_path(q) and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

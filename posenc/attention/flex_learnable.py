@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posenc.attention import refuse_content_bias, refuse_own_attention, register_backend
+from posenc.attention import refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.attention.bias_grad import (
     derivative_sums,
     diagonal_sums,
@@ -79,9 +79,9 @@ def supports(encoding: PositionalEncoding) -> bool:
 
     Table forms need the whole bias as a function of distance (the band's scores), so they require every bias
     in the scheme to be distance-only. A content-dependent bias is never supported (a score_mod cannot read it), nor
-    a scheme that replaces the softmax (there is no softmax to bias).
+    a scheme that supplies its own attention (there is no softmax to bias).
     """
-    if encoding.adds_content_bias or encoding.replaces_softmax:
+    if encoding.adds_content_bias or encoding.supplies_attention:
         return False
     forms = encoding.bias_gradient_forms()
     return forms is not None and (encoding.distance_only or not any(isinstance(f, TableForm) for f in forms))
@@ -156,9 +156,15 @@ def constant_bias_attention(
 
 @register_backend("flex_learnable")
 def flex_learnable_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
-    refuse_own_attention(encoding, "flex_learnable")
+    refuse_supplied_attention(encoding, "flex_learnable")
     refuse_content_bias(encoding, "flex_learnable")
     check_self_attention(q, k, q_pos, k_pos)
     if not supports(encoding) and torch.is_grad_enabled():  # without gradients the forward needs no forms

@@ -6,17 +6,20 @@ of at most ``max_mask_elements / Lk`` rows, so the mask never exceeds that size 
 fp32 and cast to the activations' dtype, since SDPA requires them to match: under bf16 this rounds the bias (ALiBi
 distances past 256 lose exactness), which is one reason ``auto`` prefers ``flex`` for biased schemes on GPU.
 
-A content-dependent bias (``adds_content_bias``: CoPE, DAPE, data-dependent ALiBi) is one (B, H, Lq, Lk) tensor per
-batch, so its query chunks are sized over batch and heads together (``content_chunk_elements``: a CPU's caches, a
-GPU's memory); each chunk's bias
-is computed from that chunk's queries and the keys it may see (the scheme's rows need nothing else). A content
-bias that varies along a row only through a per-key term (the scheme's ``key_bias``: data-dependent ALiBi) needs no
+A content-dependent bias (``adds_content_bias``: CoPE, DAPE, data-dependent ALiBi, FoX) is one (B, H, Lq, Lk) tensor
+per batch, so its query chunks are sized over batch and heads together (``content_chunk_elements``: a CPU's caches, a
+GPU's memory); each chunk's bias is computed from that chunk's queries and the keys it may see, with those keys'
+``features`` for a scheme that reads the layer's input (the scheme's rows need nothing else). A content bias that
+varies along a row only through a per-key term (the scheme's ``key_bias``: data-dependent ALiBi, FoX) needs no
 (Lq × Lk) tensor: the term rides in one extra channel of q and k, and SDPA runs its fused kernel with a causal
 boolean mask (on CPU, in fp32 or fp64; the CUDA path keeps the dense bias, whose bf16 behaviour is the measured one).
 
-A scheme that replaces the softmax (``replaces_softmax``: stick-breaking) is not a softmax SDPA could run: sdpa hands
-it to the scheme's own ``attend`` (blocks of query rows, memory O(Lk) per row). sdpa is the CPU path and cached
-decoding's, so it takes such a scheme rather than refuse it; it never runs a softmax in its place.
+A scheme that supplies its own attention (``supplies_attention``: PaTH, stick-breaking) is no softmax SDPA could run,
+and sdpa refuses it in one line rather than hand it to the scheme's ``attend``. Running it would be a second, silent
+path to what the ``scheme`` backend does: every benchmark row, run record and kernel check labelled sdpa would then
+time or check the scheme's own code, not SDPA. Nothing needs sdpa to take it: ``auto`` picks ``scheme``, and cached
+decoding falls back to ``scheme`` for such a scheme where it falls back to sdpa for the others (``decoding_backend``).
+
 When a scheme widens q and k beyond v's width (``qk_width``: PoPE's 2D), v is padded with zero channels to their
 width and the padding dropped from the output: SDPA's flash kernels take one head width for q, k and v, and without
 them a 2,048-position CPU forward ran on the math kernel ~5× slower (333 ms against 70 ms padded, 4 heads × 64).
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from posenc.attention import register_backend
+from posenc.attention import refuse_supplied_attention, register_backend
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path, full_precision
 
@@ -100,19 +103,24 @@ def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: 
 
 @register_backend("sdpa", query_suffix=True)
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
-    if encoding.replaces_softmax:
-        return encoding.attend(q, k, v, q_pos, k_pos)
+    refuse_supplied_attention(encoding, "sdpa")
     extra = q.shape[-1] - v.shape[-1]
     if extra > 0:  # q, k wider than v (PoPE): zero channels give v their width, the flash kernels need one
-        return sdpa_attention(q, k, F.pad(v, (0, extra)), encoding, q_pos, k_pos)[..., : v.shape[-1]]
+        return sdpa_attention(q, k, F.pad(v, (0, extra)), encoding, q_pos, k_pos, features)[..., : v.shape[-1]]
     if encoding.adds_content_bias:
         if not encoding.adds_bias and q.dtype in FOLDED_DTYPES and not cuda_path(q):
-            key_term = encoding.key_bias(k, k_pos)
+            key_term = encoding.key_bias(k, k_pos, features)
             if key_term is not None:
                 return sdpa_with_key_bias(q, k, v, key_term, q_pos, k_pos)
-        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos)
+        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos, features)
     if not encoding.adds_bias:
         if q_pos is k_pos:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -175,7 +183,13 @@ def content_chunk_elements(device: torch.device) -> int:
 
 @full_precision
 def sdpa_with_content_bias(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
     """Causal SDPA with the scheme's content bias (plus its position bias, if any), one query chunk at a time.
 
@@ -197,7 +211,8 @@ def sdpa_with_content_bias(
         scores = None
         if share_scores:
             scores = torch.matmul(chunk_q.float(), chunk_k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
-        mask = encoding.content_bias(chunk_q, chunk_k, chunk_q_pos, chunk_k_pos, scores)  # (B, H, rows, keys) fp32
+        chunk_features = None if features is None else features[:, keys]
+        mask = encoding.content_bias(chunk_q, chunk_k, chunk_q_pos, chunk_k_pos, scores, chunk_features)  # fp32
         if encoding.adds_bias:
             mask = mask + encoding.bias(chunk_q_pos, chunk_k_pos)
         mask = mask.masked_fill(chunk_k_pos[None, None, None, :] > chunk_q_pos[None, None, :, None], float("-inf"))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posenc.attention import refuse_content_bias, refuse_own_attention, register_backend
+from posenc.attention import refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.attention.bias_grad import row_deltas
 from posenc.encodings.base import PositionalEncoding
 
@@ -161,7 +161,7 @@ def check_supported(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> None:
     """Raise with what to do instead when this backend cannot honour the call exactly."""
-    refuse_own_attention(encoding, "triton")
+    refuse_supplied_attention(encoding, "triton")
     refuse_content_bias(encoding, "triton")
     if encoding.adds_bias and not encoding.distance_only:
         raise ValueError(
@@ -195,7 +195,13 @@ def check_supported(
 
 @register_backend("triton")
 def triton_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
 ) -> Tensor:
     check_supported(q, k, v, encoding, q_pos, k_pos)
     table = encoding.distance_bias(q.shape[-2]) if encoding.adds_bias else None  # (H, L) fp32, differentiable

@@ -33,19 +33,37 @@ Every backend scales the scores by 1/√(width of the q it receives). A scheme w
 than the head (``qk_width``: PoPE's polar form, twice the head) sets the temperature it intends inside ``rotate``
 (PoPE multiplies q by √2, so the backends' 1/√(2D) is its paper's 1/√D); v keeps the head width, and a backend
 whose kernel needs q, k and v of one width refuses such a scheme.
-A scheme that replaces the softmax itself (stick-breaking attention: weights from a stick broken key by key, not
-a normalised exponential) declares ``replaces_softmax``: there is no score to add a bias to, and a backend that
-computes a softmax would compute the wrong attention. It supplies its attention in two words:
 
-- ``attention_weights(q, k, q_pos, k_pos)``: the dense fp32 weights (B, H, Lq, Lk) of the (already rotated) queries
-  over the keys, with which the output is weights · v. It is the reference, and what attention maps and statistics
-  read. Each row is a distribution over the keys at positions ≤ q_pos[i] and reads nothing else (the query-suffix
-  rule above: cached decoding must get the full computation's rows).
-- ``attend(q, k, v, q_pos, k_pos)``: the same output (B, H, Lq, D) without an (Lq × Lk) tensor, its memory bounded
-  per block of query rows, values and gradients equal to the reference's.
+Schemes that read the layer's *input* x (B, L, dim), the normed residual stream the attention projects q, k and v
+from, rather than only q and k (FoX's forget gate, PaTH's Householder vectors), declare ``reads_layer_input`` and
+offer:
 
-``eager`` multiplies the reference weights by v; ``sdpa`` and ``auto`` hand such a scheme to its ``attend``; backends
-that only run a softmax kernel (``flex``, ``flex_learnable``, ``triton``) refuse it in one line.
+- ``token_features(x)``: per-token features (B, L, F) in fp32, one row per position. The attention layer computes
+  them beside q, k and v and passes the keys' rows to the backend (``features``, Lk rows: the queries' own are its
+  last Lq); a KV cache stores them beside the keys, so new queries over cached keys see every key's features and get
+  exactly the full computation's rows. Every word that reads content (``content_bias``, ``key_bias``,
+  ``attention_weights``, ``attend``) takes them as ``features``; a function of several positions' features (a
+  causal convolution) is computed there, over the keys, not in ``token_features``.
+
+Schemes whose attention is not softmax(q·kᵀ/√D + bias) at all, by how scores are formed (PaTH's products of
+Householder transformations between key and query) or how they are normalised (stick-breaking: weights from a stick
+broken key by key, not a normalised exponential), declare ``supplies_attention``: there is no score a bias could be
+added to, and a backend that computes a softmax would compute another attention. They offer two words, both taking
+the keys' ``features`` (``None`` for a scheme that does not read the layer's input, and ignored by one whose
+attention reads only q and k):
+
+- ``attention_weights(q, k, q_pos, k_pos, features)``: the dense fp32 weights (B, H, Lq, Lk) of the (already
+  rotated) queries over the keys, with which the output is weights · v, computed the obvious way. It is the
+  reference, and what the eager backend, attention maps and attention statistics read. Each row is a distribution
+  over the keys at positions ≤ q_pos[i] and follows the query-suffix rule of ``content_bias`` (cached decoding must
+  get the full computation's rows).
+- ``attend(q, k, v, q_pos, k_pos, features)``: the same output (B, H, Lq, D) on the scheme's fast path, without an
+  (Lq × Lk) tensor: memory bounded per block of rows, values and gradients equal to the reference's, over a query
+  suffix too.
+
+The ``scheme`` backend runs ``attend``, ``auto`` picks it, and cached decoding falls back to it; every backend that
+computes softmax(q·kᵀ/√D + bias) (``sdpa``, ``flex``, ``flex_learnable``, ``triton``) refuses such a scheme in one
+line (``posenc.attention.refuse_supplied_attention``).
 
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
@@ -122,7 +140,9 @@ class PositionalEncoding(nn.Module):
     - ``adds_bias``: ``bias``/``score_mod`` are not ``None``.
     - ``rotates``: ``rotate`` is not the identity.
     - ``adds_content_bias``: ``content_bias`` is not ``None`` (a bias that reads q and k, not only positions).
-    - ``replaces_softmax``: ``attention_weights``/``attend`` are the attention itself; there is no softmax to bias.
+    - ``reads_layer_input``: ``token_features`` is not ``None`` (per-token features read from the layer's input x).
+    - ``supplies_attention``: ``attention_weights``/``attend`` are the attention itself, in place of
+      softmax(q·kᵀ/√D + bias); there is no score to bias.
     - ``score_mod_differentiable``: FlexAttention may differentiate ``score_mod`` with respect to its parameters.
     - ``score_mod_reads_table``: ``score_mod`` gathers from a table at a per-score index (smaller kernel tiles).
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
@@ -136,8 +156,9 @@ class PositionalEncoding(nn.Module):
     adds_bias: ClassVar[bool] = False
     rotates: ClassVar[bool] = False
     adds_content_bias: ClassVar[bool] = False
-    replaces_softmax: ClassVar[bool] = False
     reads_scores: ClassVar[bool] = False  # content_bias reads q·kᵀ/√D, which a backend may pass it (``scores``)
+    reads_layer_input: ClassVar[bool] = False
+    supplies_attention: ClassVar[bool] = False
     # FlexAttention can differentiate the score_mod's trainable tensors on a GPU. Inductor lowers a score_mod's
     # gradient only for trainable tensors read by index, each indexed once per score (its joint-graph check), and
     # adds into them atomically once per score. A scheme whose score_mod it cannot lower says False (FIRE's MLP: the
@@ -221,12 +242,19 @@ class PositionalEncoding(nn.Module):
         return None
 
     def content_bias(
-        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        scores: Tensor | None = None,
+        features: Tensor | None = None,
     ) -> Tensor | None:
         """fp32 bias (B, H, Lq, Lk) from queries (B, H, Lq, D) and keys (B, H, Lk, D), or ``None``.
 
         ``scores``, when a backend passes them, are the attention's own fp32 scaled scores q·kᵀ/√D of these q and
-        k: a scheme that ``reads_scores`` uses them instead of computing them again.
+        k: a scheme that ``reads_scores`` uses them instead of computing them again. ``features`` (B, Lk, F) are the
+        keys' ``token_features`` for a scheme that ``reads_layer_input``.
 
         Keys come in increasing position order. Row i may depend only on q_i and the keys with ``k_pos <= q_pos[i]``
         (see the module docstring: a query suffix over cached keys must get the full computation's rows); entries
@@ -234,7 +262,7 @@ class PositionalEncoding(nn.Module):
         """
         return None
 
-    def key_bias(self, k: Tensor, k_pos: Tensor) -> Tensor | None:
+    def key_bias(self, k: Tensor, k_pos: Tensor, features: Tensor | None = None) -> Tensor | None:
         """The per-key term t (B, H, Lk) fp32 of a content bias r_i + t_j (see the module docstring), or ``None``.
 
         ``None`` (the default) when the content bias is not of that form; when it is, ``content_bias − t_j`` must be
@@ -242,21 +270,41 @@ class PositionalEncoding(nn.Module):
         """
         return None
 
-    def attention_weights(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        """fp32 weights (B, H, Lq, Lk) of a scheme that ``replaces_softmax``, or ``None`` for a softmax scheme.
+    def token_features(self, x: Tensor) -> Tensor | None:
+        """fp32 features (B, L, F) of each position from the layer's input x (B, L, dim), or ``None`` (the default).
 
-        Row i sums to 1 over the keys with ``k_pos <= q_pos[i]`` and is 0 elsewhere; it may read only q_i and those
-        keys (see the module docstring). The dense reference its ``attend`` is tested against.
+        Row t may depend on x_t alone: the features of a cached key never change when tokens follow it.
         """
         return None
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        """``attention_weights · v`` (B, H, Lq, D) in ``q``'s dtype, with no (Lq × Lk) tensor, or ``None``.
+    def require_features(self, features: Tensor | None) -> Tensor:
+        """``features`` when given; one clear error when a backend or caller forgot to pass them."""
+        if features is None:
+            raise ValueError(
+                f"{self.label} reads the layer's input: pass features=encoding.token_features(x) with the keys' rows"
+            )
+        return features
 
-        Only a scheme that ``replaces_softmax`` answers; it keeps its arithmetic in fp32 and its memory bounded per
-        block of query rows, in the forward and the backward.
+    def attention_weights(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    ) -> Tensor:
+        """Dense fp32 causal weights (B, H, Lq, Lk) that multiply v, for a scheme that ``supplies_attention``.
+
+        Row i sums to 1 over the keys with ``k_pos <= q_pos[i]`` and is 0 elsewhere; it may read only q_i, those keys
+        and their ``features`` (the query-suffix contract of ``content_bias``). The reference ``attend`` is tested
+        against.
         """
-        return None
+        raise NotImplementedError(f"{self.label} does not supply its own attention")
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    ) -> Tensor:
+        """``attention_weights`` · v (B, H, Lq, D) in ``q``'s dtype on the scheme's fast path, with no (Lq × Lk) tensor.
+
+        Its sums stay in fp32 and its memory bounded per block of query rows; values and gradients equal the
+        reference's.
+        """
+        raise NotImplementedError(f"{self.label} does not supply its own attention")
 
     def set_context_scaling(self, method: str, factor: float, original_length: int) -> bool:
         """Stretch the scheme at evaluation to ``factor`` × ``original_length`` positions (RoPE's PI, NTK, YaRN).

@@ -54,7 +54,15 @@ class CoPE(PositionalEncoding):
         return gates.flip(-1).cumsum(-1).flip(-1)  # suffix sums over keys: Σ_{t ≥ j, t ≤ i} g_it
 
     @full_precision
-    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None) -> Tensor:
+    def content_bias(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        scores: Tensor | None = None,
+        features: Tensor | None = None,
+    ) -> Tensor:
         positions = self.contextual_positions(q, k, q_pos, k_pos, scores).clamp(max=self.num_embeddings - 1)
         logits = torch.einsum("bhqd,nd->bhqn", q.float(), self.embeddings.float())  # z_i[n] (B, H, Lq, P)
         floor = positions.floor()

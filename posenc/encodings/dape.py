@@ -49,7 +49,15 @@ class DAPE(PositionalEncoding):
         return torch.einsum("bwqk,hw->bhqk", hidden, self.out.weight.float()) + self.out.bias.float()[:, None, None]
 
     @full_precision
-    def content_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None) -> Tensor:
+    def content_bias(
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        scores: Tensor | None = None,
+        features: Tensor | None = None,
+    ) -> Tensor:
         logits = scores  # A, when the backend has it
         if logits is None:
             logits = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])

@@ -34,23 +34,30 @@ class Stack(PositionalEncoding):
         self.rotates = any(m.rotates for m in members)
         self.adds_content_bias = any(m.adds_content_bias for m in members)
         self.reads_scores = any(m.reads_scores for m in members)
+        self.reads_layer_input = any(m.reads_layer_input for m in members)
+        self.supplies_attention = any(m.supplies_attention for m in members)
         self.score_mod_differentiable = all(m.score_mod_differentiable for m in members)
         self.qk_width = math.prod(m.qk_width for m in members)
         self.scales_with_length = any(m.scales_with_length for m in members)
-        # A scheme that replaces the softmax leaves nothing for a bias to be added to: it stacks with rotations and
-        # input embeddings only, and alone of its kind.
-        replacing = [m for m in members if m.replaces_softmax]
-        if replacing and (len(replacing) > 1 or self.adds_bias or self.adds_content_bias):
+        # The attention layer passes one scheme's features, so one member at most reads the layer's input. A member
+        # that supplies its own attention has no softmax score for another member's bias to be added to: it stacks
+        # with schemes that rotate q and k or embed the input only, and alone of its kind.
+        readers = [m.label for m in members if m.reads_layer_input]
+        if len(readers) > 1:
+            raise ValueError(
+                f"a stack holds at most one scheme that reads the layer's input, got {' and '.join(readers)}"
+            )
+        suppliers = [m for m in members if m.supplies_attention]
+        if suppliers and (len(suppliers) > 1 or self.adds_bias or self.adds_content_bias):
             others = [
                 m.label
                 for m in members
-                if m is not replacing[0] and (m.adds_bias or m.adds_content_bias or m.replaces_softmax)
+                if m is not suppliers[0] and (m.adds_bias or m.adds_content_bias or m.supplies_attention)
             ]
             raise ValueError(
-                f"{replacing[0].label} replaces the softmax, so there is no softmax for {', '.join(others)} to act on: "
-                "stack it only with schemes that rotate q and k or embed the input"
+                f"{suppliers[0].label} supplies its own attention, with no softmax score for {', '.join(others)} to "
+                "act on: stack it only with schemes that rotate q and k or embed the input"
             )
-        self.replaces_softmax = bool(replacing)
 
     @property
     def label(self) -> str:
@@ -81,25 +88,44 @@ class Stack(PositionalEncoding):
         return sum(biases[1:], biases[0])
 
     def content_bias(
-        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, scores: Tensor | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        scores: Tensor | None = None,
+        features: Tensor | None = None,
     ) -> Tensor | None:
-        biases = [b for b in (m.content_bias(q, k, q_pos, k_pos, scores) for m in self.parts) if b is not None]
+        biases = [m.content_bias(q, k, q_pos, k_pos, scores, features) for m in self.parts]
+        biases = [b for b in biases if b is not None]
         if not biases:
             return None
         return sum(biases[1:], biases[0])
 
-    def attention_weights(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        return next((w for w in (m.attention_weights(q, k, q_pos, k_pos) for m in self.parts) if w is not None), None)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        return next((o for o in (m.attend(q, k, v, q_pos, k_pos) for m in self.parts) if o is not None), None)
-
-    def key_bias(self, k: Tensor, k_pos: Tensor) -> Tensor | None:
+    def key_bias(self, k: Tensor, k_pos: Tensor, features: Tensor | None = None) -> Tensor | None:
         """The members' key terms summed, when every member with a content bias has one; ``None`` otherwise."""
-        terms = [m.key_bias(k, k_pos) for m in self.parts if m.adds_content_bias]
+        terms = [m.key_bias(k, k_pos, features) for m in self.parts if m.adds_content_bias]
         if not terms or any(term is None for term in terms):
             return None
         return sum(terms[1:], terms[0])
+
+    def token_features(self, x: Tensor) -> Tensor | None:
+        """The features of the one member that reads the layer's input (the others ignore ``features``)."""
+        readers = [m for m in self.parts if m.reads_layer_input]
+        return readers[0].token_features(x) if readers else None
+
+    def _supplier(self) -> PositionalEncoding:
+        return next(m for m in self.parts if m.supplies_attention)
+
+    def attention_weights(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    ) -> Tensor:
+        return self._supplier().attention_weights(q, k, q_pos, k_pos, features)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    ) -> Tensor:
+        return self._supplier().attend(q, k, v, q_pos, k_pos, features)
 
     def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod | None:
         mods = [m.score_mod(detached=detached, num_distances=num_distances) for m in self.parts]

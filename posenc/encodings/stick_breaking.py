@@ -17,10 +17,12 @@ The weights W (A below the diagonal, the remainder on it) are therefore a distri
 softmax's: they are what attention maps and statistics read. Only which keys precede the query depends on
 positions, so the scheme is invariant to a shift of all positions and accepts any length.
 
-``attention_weights`` is the reference, computed as written above in log space. ``attend`` takes blocks of query
-rows, each over the keys it may see (memory O(Lk) per query row, never O(Lq × Lk)), in fp32 with the keys nearest
-first, as the stick is broken: with s_ij = σ(−z_ij) = 1 − β_ij (1 on the keys that do not precede i) and
-P_ij = Π_{j<k<i} s_ik the stick left when key j breaks it, a cumulative product from the nearest key outwards,
+Having no softmax, the scheme ``supplies_attention``: ``attention_weights`` is the reference, computed as written
+above in log space, and the ``scheme`` backend runs ``attend`` (neither reads the layer's input: ``features`` are
+ignored). ``attend`` takes blocks of query rows, each over the keys it may see (memory O(Lk) per query row, never
+O(Lq × Lk)), in fp32 with the keys nearest first, as the stick is broken: with s_ij = σ(−z_ij) = 1 − β_ij (1 on
+the keys that do not precede i) and P_ij = Π_{j<k<i} s_ik the stick left when key j breaks it, a cumulative product
+from the nearest key outwards,
 
     A_ij = (1 − s_ij) · P_ij,    1 − Σ_j A_ij = Π_{k<i} s_ik.
 
@@ -183,10 +185,12 @@ class StickBreaking(PositionalEncoding):
     """No position encoding: the attention is a stick broken from the nearest key outwards, not a softmax."""
 
     name = "stick_breaking"
-    replaces_softmax = True
+    supplies_attention = True  # reads q and k only: the keys' ``features`` are ignored
 
     @full_precision
-    def attention_weights(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def attention_weights(
+        self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    ) -> Tensor:
         fp = _precision(q)
         scores = torch.einsum("bhqd,bhkd->bhqk", q.to(fp), k.to(fp)) / math.sqrt(q.shape[-1])  # z (B, H, Lq, Lk)
         before = k_pos[None, :] < q_pos[:, None]  # the keys query i breaks its stick over
@@ -198,5 +202,7 @@ class StickBreaking(PositionalEncoding):
         remainder = log_rest.sum(-1, keepdim=True).exp()
         return sticks + (k_pos[None, :] == q_pos[:, None]) * remainder  # on the query's own key
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    ) -> Tensor:
         return stick_breaking_attention(q, k, v, q_pos, k_pos)

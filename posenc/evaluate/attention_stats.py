@@ -9,8 +9,8 @@ Per layer and head, at each evaluated length, over every query of some windows o
 The first query of a window is left out: it can only attend to itself, so its values say nothing. Probabilities
 come from the scheme's dense reference (``posenc.probe``: rotate and bias through the contract), one chunk of
 queries at a time, so no more than ``max_scores`` scores exist at once whatever the length. For a scheme that
-replaces the softmax they are its own weights (``replaces_softmax``: stick-breaking's A_ij, with the stick no key
-took on the query's own token), a distribution over the same keys.
+supplies its own attention they are its own dense weights (``supplies_attention``: PaTH's softmax over its products,
+stick-breaking's A_ij with the stick no key took on the query's own token), a distribution over the same keys.
 """
 
 from __future__ import annotations
@@ -33,15 +33,26 @@ STATS = ("distance", "entropy", "sink")
 MAX_SCORES = 1 << 22  # scores held at once (B × H × rows × keys): 16 MiB of fp32
 
 
-def layer_sums(q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor, max_scores: int) -> dict[str, Tensor]:
-    """Per head (H,): the three statistics summed over queries 1..L-1 of every window, and ``queries`` counted."""
+def layer_sums(
+    q: Tensor,
+    k: Tensor,
+    encoding: PositionalEncoding,
+    pos: Tensor,
+    max_scores: int,
+    features: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Per head (H,): the three statistics summed over queries 1..L-1 of every window, and ``queries`` counted.
+
+    ``features`` (B, L, F) are the keys' features of a scheme that reads the layer's input.
+    """
     batch, heads, length, _ = q.shape
     rows = max(1, max_scores // (batch * heads * length))
     sums = {name: torch.zeros(heads, dtype=torch.float64, device=q.device) for name in STATS}
     for start in range(1, length, rows):
         end = min(start + rows, length)
         keys = slice(0, end)  # keys after the chunk's last query are masked for all of its queries: leave them out
-        probs = attention_weights(q[:, :, start:end], k[:, :, keys], encoding, pos[start:end], pos[keys])  # (B,H,r,K)
+        seen = None if features is None else features[:, keys]  # the features of the keys it sees
+        probs = attention_weights(q[:, :, start:end], k[:, :, keys], encoding, pos[start:end], pos[keys], seen)
         distance = (pos[start:end, None] - pos[None, keys]).clamp(min=0).float()  # (r, K)
         sums["distance"] += (probs * distance).sum(dim=(0, 2, 3)).double()
         sums["entropy"] += torch.special.entr(probs).sum(dim=(0, 2, 3)).double()
@@ -61,8 +72,10 @@ def attention_statistics(
     device = next(model.parameters()).device
     totals: dict[int, dict[str, Tensor]] = {}
 
-    def accumulate(layer: int, q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor) -> None:
-        sums = {name: value.cpu() for name, value in layer_sums(q, k, encoding, pos, max_scores).items()}
+    def accumulate(
+        layer: int, q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor, features: Tensor | None
+    ) -> None:
+        sums = {name: value.cpu() for name, value in layer_sums(q, k, encoding, pos, max_scores, features).items()}
         totals[layer] = {name: totals[layer][name] + sums[name] for name in sums} if layer in totals else sums
 
     was_training = model.training

@@ -92,8 +92,8 @@ class StageResult:
 
 def not_on_flex(encoding: PositionalEncoding) -> str | None:
     """Why no CUDA path of this scheme reaches FlexAttention, from what it declares; ``None`` when one does."""
-    if encoding.replaces_softmax:
-        return "replaces the softmax with its own attention, which no FlexAttention kernel computes (auto: sdpa)"
+    if encoding.supplies_attention:
+        return "supplies its own attention, which no FlexAttention kernel computes (auto: scheme)"
     if encoding.adds_content_bias:
         return "its bias reads queries and keys, which a score_mod cannot (auto: sdpa)"
     if not encoding.adds_bias:

@@ -48,7 +48,8 @@ def attention_tables(results: list[dict[str, Any]], appendix: Appendix | None = 
                 f"{what}, averaged over every layer, head and query (but each window's first); the mean over seeds ± "
                 "the half-width of its 95% Student-t interval (no marks: no value of these is better in itself). "
                 "Per layer × head: each run's eval/attention_stats.csv and attention_heatmaps.png. A scheme that "
-                "replaces the softmax (stick-breaking) is measured on its own weights, also a distribution over keys.",
+                "supplies its own attention (PaTH, stick-breaking) is measured on its own weights, also a distribution "
+                "over keys.",
                 "",
                 *table_head(
                     by_label, labels, title=f"Attention, trained at L={train_len} on {data}", appendix=appendix
