@@ -129,8 +129,8 @@ def evaluate_model(
     language-modelling runs (``None`` for task runs); ``task`` is the synthetic task a model was trained on.
     ``precision`` is the one it trained in (Lightning's setting, recorded in the results): the forward runs under
     it, so the in-length figure is training's and every backend runs as it did there.
-    Compiled blocks run uncompiled here (``posenc/training/compiling.py``): a static graph per evaluation shape would cost
-    one compilation per length for a single pass; the attention kernels stay compiled.
+    Compiled blocks run uncompiled here (``posenc/training/compiling.py``): a static graph per evaluation shape
+    would cost one compilation per length for a single pass; the attention kernels stay compiled.
     """
     device = next(model.parameters()).device
     with (
