@@ -3,11 +3,11 @@
 Hydra composes the config (``conf/train.yaml``), Lightning trains, and the run ends with the extrapolation
 evaluation (perplexity at 1×…32× the training length, printed and written to ``<run>/eval``). Everything a
 run writes lands in its directory under ``outputs/``: the resolved config, checkpoints, logs, ``run.json``, and
-last ``done.json``, the mark of a complete run. ``-m`` runs a sweep (``sweeps/``, ``posenc/sweep.py``).
+last ``done.json``, the mark of a complete run. ``-m`` runs a sweep (``sweeps/``, ``posenc/training/sweep.py``).
 
 Every value is checked before any work (``posenc.runs.validate``, and ``posenc.runs.inherit`` for a run that starts
 from another's weights with ``init_from``): a bad input ends with one line saying what to do, and leaves no run
-directory behind. The training loop itself is ``posenc/training.py``.
+directory behind. The training loop itself is ``posenc/training/loop.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from omegaconf import DictConfig, MissingMandatoryValue, open_dict
 
 from posenc.config import CONF_DIR, remove_if_only_bookkeeping, require_encoding, to_container
 from posenc.runs import CHECKPOINT, DONE_FILE, FAILED_FILE, RunError, inherit, validate
-from posenc.sweep import job_state, join_submitit_tasks, wandb_group, wandb_run_id
+from posenc.training.sweep import job_state, join_submitit_tasks, wandb_group, wandb_run_id
 
 
 def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> 
         raise RunError(f"{err.full_key} must be set (e.g. {_example(err.full_key)})") from None
     validate(config)
     parent = inherit(config)  # init_from: what carries over is decided (or refused) before any work
-    from posenc.training import fit  # Lightning is imported only for a config that can run
+    from posenc.training.loop import fit  # Lightning is imported only for a config that can run
 
     return fit(config, run_dir, resume_command, parent)
 

@@ -32,8 +32,8 @@ from posenc.report import ReportOnSweepEnd
 from posenc.report.__main__ import main as report_main
 from posenc.runs import DONE_FILE, RUN_FILE, RunError, load_checkpoint, read_checkpoint
 from posenc.runs.checkpoint_io import AtomicCheckpointIO
-from posenc.sweep import job_state
 from posenc.train import train
+from posenc.training.sweep import job_state
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = [

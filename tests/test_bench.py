@@ -14,9 +14,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch.profiler import ProfilerActivity, profile
 
-from posenc import bench_compare
-from posenc.bench import markdown, run
-from posenc.bench_attention import attention_call, fastest, reference_backends
+from posenc.bench import compare as bench_compare
+from posenc.bench.attention import attention_call, fastest, reference_backends
+from posenc.bench.run import markdown, run
 from posenc.config import CONF_DIR
 from posenc.encodings import build
 

@@ -22,9 +22,9 @@ from conftest import HEAD_DIM, HEADS, SCHEMES, layer_features, make
 from posenc.attention import get_backend
 from posenc.attention.bias_grad import derivative_sums, diagonal_sums, row_deltas
 from posenc.attention.eager import attention_weights
-from posenc.compiling import compile_blocks
 from posenc.encodings.base import PositionalEncoding
 from posenc.model import Decoder
+from posenc.training.compiling import compile_blocks
 
 LENGTH, VOCAB = 40, 50
 

@@ -14,7 +14,7 @@ import pytest
 from helpers import FAST
 
 from posenc.runs import DONE_FILE
-from posenc.sweep import reruns_command
+from posenc.training.sweep import reruns_command
 
 TWO_CPU_PROCESSES = ["trainer.accelerator=cpu", "trainer.devices=2"]
 

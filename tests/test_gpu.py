@@ -19,11 +19,11 @@ from posenc.attention import get_backend
 from posenc.attention.auto import choose
 from posenc.attention.flex import FALLBACK_WARNING
 from posenc.attention.flex_learnable import supports
-from posenc.bench_attention import attention_call, median_ms, reference_backends
-from posenc.compiling import compile_blocks, eager_blocks
+from posenc.bench.attention import attention_call, median_ms, reference_backends
 from posenc.encodings import available, build, scheme_class
 from posenc.encodings.path import FLA_INSTALLED, PaTH
 from posenc.model import Decoder
+from posenc.training.compiling import compile_blocks, eager_blocks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -30,10 +30,10 @@ import posenc.attention.flex as flex
 import posenc.attention.triton_table as triton_table
 from posenc.attention import triton_aot
 from posenc.attention.auto import choose
-from posenc.compiling import compile_blocks
 from posenc.encodings.base import DerivativeForm, TableForm
 from posenc.evaluate.attention_stats import attention_statistics
 from posenc.model import Decoder
+from posenc.training.compiling import compile_blocks
 
 pytestmark = pytest.mark.lane
 

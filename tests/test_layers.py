@@ -23,35 +23,40 @@ LAYERS = {
     "probe": 3,
     "decoding": 3,
     "model": 4,
-    "compiling": 5,
+    "training.compiling": 5,
     "config": 5,
     "data": 5,
-    "lit": 6,
+    "training.lit": 6,
     "runs": 7,
-    "loggers": 8,
-    "identity": 8,
+    "training.loggers": 8,
+    "training.identity": 8,
     "api": 8,
-    "sweep": 8,
+    "training.sweep": 8,
     "evaluate": 9,
     "cluster": 9,  # the SLURM launcher (above the sweep's bookkeeping) and the local cluster
-    "training": 10,
+    "training.callbacks": 9,
+    "training.loop": 10,
     "report": 10,
-    "bench_compare": 10,
-    "bench_attention": 10,
     "bench": 11,
     "gpu": 11,  # the GPU check and session: they run the training, the benchmark and pytest as subprocesses
     "gpucheck": 12,  # entry points only: python -m posenc.gpucheck, python -m posenc.gpusession
     "gpusession": 12,
     "lane": 11,  # the kernel lane: a tool over the attention backends, like the benchmark
     "train": 11,
+    "training": 12,  # the folder's __init__: a docstring, importing nothing
     "": 12,  # the package itself: posenc/__init__.py
 }
 MAX_LINES = 420
+# Folders whose modules keep a layer each: training's pieces sit at different depths (the compile switch just above
+# the model, the Lightning module below the run directory's code, the loop above the evaluation it ends with).
+SPLIT = {"training"}
 
 
 def _top(module: str) -> str:
-    """``posenc.attention.sdpa`` → ``attention``; ``posenc`` → ``""``."""
+    """``posenc.attention.sdpa`` → ``attention``; ``posenc.training.lit`` → ``training.lit``; ``posenc`` → ``""``."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] in SPLIT:
+        return f"{parts[1]}.{parts[2]}"
     return parts[1] if len(parts) > 1 else ""
 
 
@@ -75,6 +80,8 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 def _owner(path: Path) -> str:
     relative = path.relative_to(PACKAGE).with_suffix("")
+    if relative.parts[0] in SPLIT and len(relative.parts) > 1:
+        return relative.parts[0] if relative.parts[1] == "__init__" else f"{relative.parts[0]}.{relative.parts[1]}"
     return "" if relative.parts == ("__init__",) else relative.parts[0]
 
 

@@ -144,7 +144,7 @@ def test_effective_length_reads_only_answers_past_the_training_length(tmp_path: 
 
 
 def test_a_relaunch_reads_settings_introduced_since_as_what_older_runs_did() -> None:
-    from posenc.sweep import setting_changes
+    from posenc.training.sweep import setting_changes
 
     older = {"data": {"task": "mqar", "task_options": {"num_pairs": 4}}, "optim": {"lr": 1e-3}}
     now = {

@@ -17,15 +17,15 @@ import torch
 from helpers import FAST, HostReads, compose_train
 from omegaconf import OmegaConf
 
-import posenc.lit
 import posenc.model
+import posenc.training.lit
 from posenc.data.cache import tokenized_splits
 from posenc.data.corpora import Corpus
 from posenc.data.tokenizer import ByteTokenizer
 from posenc.report import ReportOnSweepEnd, build_report, find_results
 from posenc.runs import DONE_FILE, FAILED_FILE, RunError, read_checkpoint, wandb_id, write_failed
-from posenc.sweep import job_state
 from posenc.train import train
+from posenc.training.sweep import job_state
 
 
 def _config(seed: int, max_steps: int = 40, corpus: str = "stdlib", **eval_options) -> dict:
@@ -187,7 +187,7 @@ def test_a_nan_found_at_a_later_check_is_reported_at_its_step_and_never_checkpoi
 ) -> None:
     # As on a GPU, where the record of a non-finite loss is read every few steps: the NaN of step 3 is found at the
     # check after step 4's checkpoint would have been written, so that checkpoint must be refused.
-    monkeypatch.setattr(posenc.lit, "finite_check_interval", lambda device, log_every: 5)
+    monkeypatch.setattr(posenc.training.lit, "finite_check_interval", lambda device, log_every: 5)
     _nan_from_call(monkeypatch, 4)
     overrides = [*FAST, "trainer.max_steps=8", "checkpoint_every_n_steps=2", "trainer.val_check_interval=100"]
     with pytest.raises(RunError, match=r"the training loss became nan at step 3; the last good"):
@@ -197,7 +197,7 @@ def test_a_nan_found_at_a_later_check_is_reported_at_its_step_and_never_checkpoi
 
 
 def test_a_training_step_reads_nothing_back_to_the_host_between_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from posenc.lit import LitDecoder
+    from posenc.training.lit import LitDecoder
 
     config = OmegaConf.to_container(compose_train("+encoding=alibi", *FAST), resolve=True)
     module = LitDecoder(config, vocab_size=257)

@@ -6,8 +6,8 @@ import pytest
 from helpers import FAST, compose_train
 
 from posenc.config import to_container
-from posenc.lit import LitDecoder, warmup_cosine
 from posenc.runs import RunError, validate
+from posenc.training.lit import LitDecoder, warmup_cosine
 
 
 def _optimizer(*overrides: str):

@@ -21,9 +21,10 @@ from hydra.utils import instantiate
 
 from posenc.config import CONF_DIR, encoding_choices
 from posenc.encodings import available
-from posenc.loggers import build_loggers
 from posenc.runs import read_checkpoint, write_done
-from posenc.sweep import (
+from posenc.train import train
+from posenc.training.loggers import build_loggers
+from posenc.training.sweep import (
     DONE_FILE,
     SWEEP_FILE,
     SweepError,
@@ -31,20 +32,19 @@ from posenc.sweep import (
     setting_changes,
     wandb_run_id,
 )
-from posenc.train import train
 
 SWEEPS = CONF_DIR.parent / "sweeps"
 SMOKE = [sys.executable, "-m", "posenc.train", "-m", "-cd", str(SWEEPS), "-cn", "smoke"]
 # Kills the process at step 12 of the first job, after its step-10 checkpoint: a preempted or crashed sweep.
 CRASH_AT_STEP_12 = """
 import os, sys
-import posenc.lit
-step = posenc.lit.LitDecoder.training_step
+import posenc.training.lit
+step = posenc.training.lit.LitDecoder.training_step
 def crash(self, batch, index):
     if self.global_step == 12:
         os._exit(3)
     return step(self, batch, index)
-posenc.lit.LitDecoder.training_step = crash
+posenc.training.lit.LitDecoder.training_step = crash
 from posenc.train import main
 sys.argv = ["posenc.train", *sys.argv[1:]]
 main()
@@ -53,7 +53,7 @@ main()
 # Lists the jobs a sweep would run, as its preflight composes them, and stops before launching any.
 LIST_JOBS = """
 import os, sys
-from posenc import sweep
+from posenc.training import sweep
 def list_jobs(self, config, **kwargs):
     print(f"eval={config.eval.at_end}")
     for state in self._job_states(config):

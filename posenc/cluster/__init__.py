@@ -5,5 +5,5 @@
 - ``local``: ``python -m posenc.cluster.local up|down``, a real slurmctld + slurmd + munged on this machine (the
   tests start one per session), so the SLURM path runs against the scheduler itself, not a mock.
 
-The requeue signal itself is caught where training runs (``posenc.training.SaveOnInterrupt``).
+The requeue signal itself is caught where training runs (``posenc.training.callbacks.SaveOnInterrupt``).
 """

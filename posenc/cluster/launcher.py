@@ -31,7 +31,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf
 
-from posenc.sweep import SweepError, composed_job_state, forget_launch, job_dir_and_config
+from posenc.training.sweep import SweepError, composed_job_state, forget_launch, job_dir_and_config
 
 # SLURM job states after which a job will not run again (REQUEUED, PREEMPTED with requeue, PENDING... will).
 ENDED_STATES = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT"}

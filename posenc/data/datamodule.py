@@ -70,7 +70,7 @@ class _WindowDataModule(L.LightningDataModule):
     """What every posenc data module shares: byte tokens, windows of ``seq_len``, numbered training samples.
 
     ``num_samples`` and ``start_sample`` are set again by the trainer once the world size and the resumed step are
-    known (``posenc.training.TokenAccounting``), so both modules keep them as plain attributes.
+    known (``posenc.training.callbacks.TokenAccounting``), so both modules keep them as plain attributes.
     """
 
     def __init__(self, seq_len: int, batch_size: int, num_samples: int, num_workers: int, seed: int) -> None:

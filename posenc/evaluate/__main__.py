@@ -156,8 +156,8 @@ def _log_to_wandb(
     from lightning.pytorch.loggers import WandbLogger
 
     from posenc.evaluate.wandb_tables import log_results
-    from posenc.loggers import resolve_wandb_mode
     from posenc.runs import WANDB_ID_FILE
+    from posenc.training.loggers import resolve_wandb_mode
 
     logger_cfg = config["logger"]
     mode = resolve_wandb_mode(logger_cfg.get("mode", "auto"))

@@ -17,7 +17,6 @@ import numpy as np
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from posenc.compiling import eager_blocks
 from posenc.encodings.base import PositionalEncoding
 from posenc.encodings.ssmax import LengthScaling
 from posenc.encodings.stack import Stack
@@ -34,6 +33,7 @@ from posenc.evaluate.wandb_tables import log_results
 from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
 from posenc.runs.checks import ATTENTION_SCALES
 from posenc.runtime import precision_context
+from posenc.training.compiling import eager_blocks
 
 __all__ = ["TASK_NAMES", "ExtrapolationEval", "evaluate_model", "print_results", "replace_outputs", "write_outputs"]
 
@@ -129,8 +129,8 @@ def evaluate_model(
     language-modelling runs (``None`` for task runs); ``task`` is the synthetic task a model was trained on.
     ``precision`` is the one it trained in (Lightning's setting, recorded in the results): the forward runs under
     it, so the in-length figure is training's and every backend runs as it did there.
-    Compiled blocks run uncompiled here (``posenc/compiling.py``): a static graph per evaluation shape would cost
-    one compilation per length for a single pass; the attention kernels stay compiled.
+    Compiled blocks run uncompiled here (``posenc/training/compiling.py``): a static graph per evaluation shape
+    would cost one compilation per length for a single pass; the attention kernels stay compiled.
     """
     device = next(model.parameters()).device
     with (

@@ -6,8 +6,8 @@ from collections import defaultdict
 from typing import Any
 
 from posenc.evaluate.attention_stats import mean_by_length
-from posenc.identity import columns
 from posenc.report.common import Appendix, Columns, interval_cells, order, table_head
+from posenc.training.identity import columns
 
 ATTENTION_STATS = {
     "sink": "Sink mass: attention probability on the window's first token",
@@ -19,7 +19,7 @@ ATTENTION_STATS = {
 def attention_groups(results: list[dict[str, Any]]) -> dict[tuple[int, str], Columns]:
     """{(train_len, data): {column: runs}} for runs with attention statistics; text and each task apart.
 
-    Columns pool runs by identity (``posenc/identity.py``), as the perplexity tables do.
+    Columns pool runs by identity (``posenc/training/identity.py``), as the perplexity tables do.
     """
     by_group: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
     for run in results:

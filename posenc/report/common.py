@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate.stats import ALPHA, Interval, holm, paired_comparison, t_interval
-from posenc.identity import identity
+from posenc.training.identity import identity
 
 Key = tuple[int, str, int | None]  # (train_len, mode, stride)
 Columns = dict[str, list[dict[str, Any]]]  # {column label: the runs pooled in it}

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate.drift import BARELY_MOVED, STILL_MOVING
-from posenc.identity import columns
 from posenc.report.common import Appendix, Columns, interval_cells, order, table_head
+from posenc.training.identity import columns
 
 FIXED = "fixed"  # a column whose scheme has no trainable positional parameter
 STILL, BARELY, SETTLED = "still moving", "barely moved", "settled"

@@ -27,9 +27,9 @@ from posenc.evaluate.effective import (
     recorded_lengths,
     settings,
 )
-from posenc.identity import columns
 from posenc.report.common import Appendix, order, table_head
 from posenc.report.perplexity import protocol, stride_of
+from posenc.training.identity import columns
 
 
 def pooled_cell(lengths: list[int | None]) -> str:

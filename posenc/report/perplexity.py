@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from posenc.evaluate.stats import RESAMPLES, resampled_losses
-from posenc.identity import columns
 from posenc.report.common import (
     MARKS_LEGEND,
     PAIRED_LEGEND,
@@ -27,6 +26,7 @@ from posenc.report.common import (
     seeded,
     table_head,
 )
+from posenc.training.identity import columns
 
 
 def stride_of(row: dict[str, Any]) -> int | str | None:
@@ -66,7 +66,7 @@ def suffix(key: Key) -> str:
 def group_runs(results: list[dict[str, Any]]) -> dict[Key, Columns]:
     """{(train_len, mode, stride): {column: [run results…]}} for language-modelling results.
 
-    A column pools runs of one identity (``posenc.identity``): same settings but the seed.
+    A column pools runs of one identity (``posenc.training.identity``): same settings but the seed.
     """
     by_key: dict[Key, list[dict[str, Any]]] = defaultdict(list)
     for result in results:

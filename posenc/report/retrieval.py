@@ -24,10 +24,10 @@ from typing import Any
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate.effective import learned
 from posenc.evaluate.stats import bootstrap_mean
-from posenc.identity import identity
 from posenc.report.common import Appendix, Columns, order, run_dir, table_head
 from posenc.report.tasks import ACCURACY_LEGEND, accuracy_cell, chance_note, task_columns
 from posenc.runs import RUN_FILE
+from posenc.training.identity import identity
 
 LR = "optim.lr"
 LAST_PART = 0.25  # how much of training the "still moving" figure looks back over

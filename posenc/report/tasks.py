@@ -15,8 +15,8 @@ from typing import Any
 
 from posenc.evaluate.stats import bootstrap_mean, wilson
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
-from posenc.identity import columns
 from posenc.report.common import Appendix, Columns, order, table_head
+from posenc.training.identity import columns
 
 TASKS = ("passkey", "copy")
 

@@ -17,7 +17,7 @@ from posenc.runs.records import CHECKPOINT, PREVIOUS_CHECKPOINT, RUN_FILE, RunEr
 
 if TYPE_CHECKING:
     from posenc.data.datamodule import TaskDataModule, TextDataModule
-    from posenc.lit import LitDecoder
+    from posenc.training.lit import LitDecoder
 
 # ---------------------------------------------------------------------------------------------------------------
 # Building from a saved config
@@ -101,12 +101,12 @@ def checkpoint_training(path: Path, config: Mapping[str, Any]) -> dict[str, Any]
 def load_module(checkpoint: Path, device: str, attention: str | None) -> tuple[LitDecoder, dict[str, Any]]:
     """The trained module and its config from a checkpoint (optionally with another attention backend).
 
-    The blocks are never compiled here: evaluation runs them uncompiled (``posenc/compiling.py``). The module's
+    The blocks are never compiled here: evaluation runs them uncompiled (``posenc/training/compiling.py``). The module's
     ``hparams.precision`` is the precision it trained in; a checkpoint from before it was recorded gets its config's
     setting resolved for the device evaluated on (``auto``: bf16-mixed on a GPU).
     """
-    from posenc.lit import LitDecoder
     from posenc.runtime import resolve_precision
+    from posenc.training.lit import LitDecoder
 
     state = load_checkpoint(checkpoint)
     try:

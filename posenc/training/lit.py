@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from posenc.compiling import compile_blocks, should_compile
 from posenc.model import Decoder
+from posenc.training.compiling import compile_blocks, should_compile
 
 
 class DivergedError(RuntimeError):

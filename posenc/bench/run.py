@@ -10,7 +10,7 @@ Four measurements, all configured in ``conf/bench.yaml`` (defaults: the shapes o
 - a whole-model train step (forward, backward, AdamW) per scheme, in tokens/s and as a ratio to NoPE;
 - long context: a batch-1 attention forward of every relative scheme at ``long_context.length`` (64k by default),
   reporting its time and memory, or the error (OOM) that stopped it;
-- on CPU, when ``compare.schemes`` names any, posenc's decoder against x-transformers' (``bench_compare.py``).
+- on CPU, when ``compare.schemes`` names any, posenc's decoder against x-transformers' (``posenc/bench/compare.py``).
 
 Each attention length gets its own static compiled kernels, which is what a training run at that length compiles.
 Every case prints one line as it finishes (scheme, backend, length, ms, ratio), so a long GPU run shows progress;
@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 
 from posenc.attention.auto import choose
 from posenc.attention.flex_learnable import supports
-from posenc.bench_attention import (
+from posenc.bench.attention import (
     attention_call,
     failure,
     fastest,
@@ -44,12 +44,12 @@ from posenc.bench_attention import (
     resolve_device,
     resolve_dtype,
 )
-from posenc.bench_compare import compare_cases, compare_markdown
-from posenc.compiling import compile_blocks, should_compile
+from posenc.bench.compare import compare_cases, compare_markdown
 from posenc.config import CONF_DIR, to_container
 from posenc.encodings import build, scheme_class, stack_members
 from posenc.jsonio import write_json, write_text
 from posenc.model import Decoder
+from posenc.training.compiling import compile_blocks, should_compile
 
 
 def attention_cases(cfg: DictConfig, device: torch.device) -> tuple[list[dict], list[dict]]:
@@ -314,7 +314,3 @@ def main(cfg: DictConfig) -> None:
     results = run(cfg, out_dir)
     print(markdown(results))
     print(f"wrote {out_dir}/bench.json and {out_dir}/bench.md")
-
-
-if __name__ == "__main__":
-    main()

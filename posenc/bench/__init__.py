@@ -1,0 +1,6 @@
+"""The benchmarks behind ``python -m posenc.bench``: what each positional scheme costs, measured in one run.
+
+- ``run``: the command: attention table, whole-model train step, long context, and the comparison below;
+- ``attention``: one attention call per scheme and backend, timed against the fastest unbiased attention;
+- ``compare``: posenc's decoder against x-transformers' on CPU, the same scheme each, steps timed in turns.
+"""
