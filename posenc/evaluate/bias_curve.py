@@ -7,8 +7,9 @@ fixed ones (ALiBi's slopes, Sandwich) the same way, never by the scheme's name:
 - any other bias gives the row of one query over keys behind it, ``bias(q_pos, k_pos)``: the query sits at the
   last position of the longest evaluated window, so FIRE's normalisation by the query's position is that of the
   longest window;
-- a content bias is read at zero content (q = k = 0), ``content_bias``: for data-dependent ALiBi that is the
-  gates' learned constant decay, without their dependence on the key.
+- a content bias is read at zero content (q = k = 0, and a zero layer input for a scheme that reads it),
+  ``content_bias``: for data-dependent ALiBi and FoX that is the gates' learned constant decay, without their
+  dependence on the key or the token.
 
 Schemes with no bias (RoPE, NoPE, absolute schemes) have no curve. The distances are every one below 16, then
 log-spaced up to the longest window, which keeps ``results.json`` small at any length.
@@ -57,7 +58,11 @@ def bias_by_distance(scheme: PositionalEncoding, max_distance: int) -> dict[str,
         positions = torch.arange(query + 1, device=device)
         q = torch.zeros(1, scheme.num_heads, 1, scheme.head_dim, device=device)
         k = torch.zeros(1, scheme.num_heads, query + 1, scheme.head_dim, device=device)
-        row = scheme.content_bias(q, k, positions[-1:], positions)  # (1, H, 1, query + 1)
+        features = None
+        if scheme.reads_layer_input:  # FoX's gates at a zero layer input: their learned constant decay
+            width = scheme.num_heads * scheme.head_dim  # the layer's input: the model's width
+            features = scheme.token_features(torch.zeros(1, query + 1, width, device=device))
+        row = scheme.content_bias(q, k, positions[-1:], positions, features=features)  # (1, H, 1, query + 1)
         bias += row.float()[0, :, 0, query - distances]
         sources.append("content_bias at q = k = 0")
     return {
