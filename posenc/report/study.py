@@ -49,6 +49,10 @@ STUDIES = {
         "Reproduction: which scheme extrapolates",
         "python -m posenc.train -m -cd sweeps -cn repro",
     ),
+    "frontier": Study(
+        "The 2024–2025 frontier on the reproduction's backbone (one seed)",
+        "python -m posenc.train -m -cd sweeps -cn frontier",
+    ),
     "recall": Study("Associative recall by length", "python -m posenc.train -m -cd sweeps -cn retrieval"),
     "passkey": Study("Passkey retrieval", "python -m posenc.train -m -cd sweeps -cn passkey"),
     "rope-scaling": Study(
