@@ -51,11 +51,25 @@ _QUERY_SUFFIX: set[str] = set()
 DECODING_FALLBACK = "sdpa"
 
 
-def register_backend(name: str, *, query_suffix: bool = False) -> Callable[[Backend], Backend]:
-    """Register a backend; ``query_suffix`` declares that it accepts Lq < Lk (new queries over cached keys)."""
+# Per backend, the schemes it refuses from their declarations alone: each a check (encoding, backend) that raises
+# ValueError with what to use instead. A backend runs them on every call (``refuse``), and a run asks them before its
+# first step (``scheme_refusal``), so a scheme a backend cannot honour is one line, not a traceback mid-training.
+Refusal = Callable[[PositionalEncoding, str], None]
+_REFUSALS: dict[str, tuple[Refusal, ...]] = {}
+
+
+def register_backend(
+    name: str, *, query_suffix: bool = False, refuses: tuple[Refusal, ...] = ()
+) -> Callable[[Backend], Backend]:
+    """Register a backend.
+
+    ``query_suffix`` declares that it accepts Lq < Lk (new queries over cached keys); ``refuses`` lists the checks by
+    which it turns down a scheme from its declarations (``refuse``).
+    """
 
     def decorator(fn: Backend) -> Backend:
         _BACKENDS[name] = fn
+        _REFUSALS[name] = refuses
         if query_suffix:
             _QUERY_SUFFIX.add(name)
         return fn
@@ -66,8 +80,8 @@ def register_backend(name: str, *, query_suffix: bool = False) -> Callable[[Back
 def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
     """Refuse a bias that reads q and k in a backend that sees positions only (a score_mod, a distance table).
 
-    Such a backend would otherwise run the scheme with no bias at all; every one of them calls this, after
-    ``refuse_supplied_attention``.
+    Such a backend would otherwise run the scheme with no bias at all; every one of them lists this among its
+    ``refuses``, after ``refuse_supplied_attention``.
     """
     if encoding.adds_content_bias:
         raise ValueError(
@@ -80,13 +94,29 @@ def refuse_supplied_attention(encoding: PositionalEncoding, backend: str) -> Non
     """Refuse a scheme that supplies its own attention in a backend that computes softmax(q·kᵀ/√D + bias).
 
     Such a backend (sdpa, flex, flex_learnable, triton) would otherwise run softmax attention in the scheme's place;
-    every one of them calls this first.
+    every one of them lists this first among its ``refuses``.
     """
     if encoding.supplies_attention:
         raise ValueError(
             f"attention={backend} runs softmax(q·kᵀ/√D + bias) attention and {encoding.label} supplies its own "
             "attention instead; use attention=auto, scheme or eager"
         )
+
+
+def refuse(encoding: PositionalEncoding, backend: str) -> None:
+    """Raise (ValueError, one line) when ``backend`` cannot honour ``encoding`` by its declarations."""
+    for check in _REFUSALS.get(backend, ()):
+        check(encoding, backend)
+
+
+def scheme_refusal(backend: str, encoding: PositionalEncoding) -> str | None:
+    """The line ``backend`` refuses ``encoding`` with, or ``None``: asked before a run's first step."""
+    _load()
+    try:
+        refuse(encoding, backend)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def decoding_backend(name: str, encoding: PositionalEncoding | None = None) -> str:

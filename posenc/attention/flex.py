@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from posenc.attention import refuse_content_bias, refuse_supplied_attention, register_backend
+from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.encodings.base import PositionalEncoding, ScoreMod
 from posenc.runtime import cuda_path
 
@@ -223,7 +223,7 @@ def check_self_attention(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> 
         raise ValueError("the flex backend handles self-attention over one window (q_pos == k_pos); use eager or sdpa")
 
 
-@register_backend("flex")
+@register_backend("flex", refuses=(refuse_supplied_attention, refuse_content_bias))
 def flex_backend(
     q: Tensor,
     k: Tensor,
@@ -233,8 +233,7 @@ def flex_backend(
     k_pos: Tensor,
     features: Tensor | None = None,
 ) -> Tensor:
-    refuse_supplied_attention(encoding, "flex")
-    refuse_content_bias(encoding, "flex")
+    refuse(encoding, "flex")
     check_self_attention(q, k, q_pos, k_pos)
     if not cuda_path(q) and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posenc.attention import refuse_content_bias, refuse_supplied_attention, register_backend
+from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.attention.bias_grad import (
     derivative_sums,
     diagonal_sums,
@@ -154,7 +154,7 @@ def constant_bias_attention(
         return out, attend_with_lse(q, k, v, mod, options)[1]
 
 
-@register_backend("flex_learnable")
+@register_backend("flex_learnable", refuses=(refuse_supplied_attention, refuse_content_bias))
 def flex_learnable_attention(
     q: Tensor,
     k: Tensor,
@@ -164,8 +164,7 @@ def flex_learnable_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
 ) -> Tensor:
-    refuse_supplied_attention(encoding, "flex_learnable")
-    refuse_content_bias(encoding, "flex_learnable")
+    refuse(encoding, "flex_learnable")
     check_self_attention(q, k, q_pos, k_pos)
     if not supports(encoding) and torch.is_grad_enabled():  # without gradients the forward needs no forms
         raise ValueError(

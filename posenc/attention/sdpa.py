@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from posenc.attention import refuse_supplied_attention, register_backend
+from posenc.attention import refuse, refuse_supplied_attention, register_backend
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path, full_precision
 
@@ -101,7 +101,7 @@ def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: 
     return scheme, positions, str(q_pos.device), dtype
 
 
-@register_backend("sdpa", query_suffix=True)
+@register_backend("sdpa", query_suffix=True, refuses=(refuse_supplied_attention,))
 def sdpa_attention(
     q: Tensor,
     k: Tensor,
@@ -111,7 +111,7 @@ def sdpa_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
 ) -> Tensor:
-    refuse_supplied_attention(encoding, "sdpa")
+    refuse(encoding, "sdpa")
     extra = q.shape[-1] - v.shape[-1]
     if extra > 0:  # q, k wider than v (PoPE): zero channels give v their width, the flash kernels need one
         return sdpa_attention(q, k, F.pad(v, (0, extra)), encoding, q_pos, k_pos, features)[..., : v.shape[-1]]

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posenc.attention import refuse_content_bias, refuse_supplied_attention, register_backend
+from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.attention.bias_grad import row_deltas
 from posenc.encodings.base import PositionalEncoding
 
@@ -157,22 +157,25 @@ def check_shape(head_dim: int, dtype: torch.dtype) -> None:
         )
 
 
+def refuse_other_biases(encoding: PositionalEncoding, backend: str) -> None:
+    """The kernel reads a bias by distance and takes q, k and v of one head width."""
+    if encoding.adds_bias and not encoding.distance_only:
+        raise ValueError(
+            f"attention={backend} needs a bias that depends on the distance i - j alone; {encoding.label}'s does "
+            "not. Use attention=flex, sdpa or eager."
+        )
+    if encoding.qk_width != 1:
+        raise ValueError(
+            f"attention={backend} needs q, k and v of one head width, but {encoding.label} widens q and k to "
+            f"{encoding.qk_width}× the head; use attention=sdpa, flex or eager"
+        )
+
+
 def check_supported(
     q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor
 ) -> None:
     """Raise with what to do instead when this backend cannot honour the call exactly."""
-    refuse_supplied_attention(encoding, "triton")
-    refuse_content_bias(encoding, "triton")
-    if encoding.adds_bias and not encoding.distance_only:
-        raise ValueError(
-            f"attention=triton needs a bias that depends on the distance i - j alone; {encoding.label}'s does not. "
-            "Use attention=flex, sdpa or eager."
-        )
-    if encoding.qk_width != 1:
-        raise ValueError(
-            f"attention=triton needs q, k and v of one head width, but {encoding.label} widens q and k to "
-            f"{encoding.qk_width}× the head; use attention=sdpa, flex or eager"
-        )
+    refuse(encoding, "triton")
     if q.shape[-2] != k.shape[-2] or (q_pos is not k_pos and not torch.equal(q_pos, k_pos)):
         raise ValueError(
             "attention=triton handles self-attention over one window (Lq == Lk, q_pos == k_pos), not cached "
@@ -193,7 +196,7 @@ def check_supported(
         )
 
 
-@register_backend("triton")
+@register_backend("triton", refuses=(refuse_supplied_attention, refuse_content_bias, refuse_other_biases))
 def triton_attention(
     q: Tensor,
     k: Tensor,

@@ -163,6 +163,7 @@ def check_model(config: Mapping[str, Any]) -> None:
     """Build the model on the meta device (no memory, no time) so that a scheme refuses its options up front."""
     import torch
 
+    from posenc.attention import scheme_refusal
     from posenc.model import Decoder
 
     model_cfg, seq_len = config["model"], config["data"]["seq_len"]
@@ -175,6 +176,9 @@ def check_model(config: Mapping[str, Any]) -> None:
             model = Decoder(attention=config["attention"]["name"], **kwargs)
     except (ValueError, TypeError) as err:
         raise RunError(f"invalid encoding/model settings: {err}") from None
+    for encoding in model.layer_encodings:  # a backend that cannot honour a layer's scheme, before any work
+        if (refusal := scheme_refusal(config["attention"]["name"], encoding)) is not None:
+            raise RunError(f"invalid attention setting: {refusal}")
     limits = [m.max_positions for m in model.modules() if getattr(m, "max_positions", None) is not None]
     if limits and min(limits) < seq_len:
         raise RunError(
