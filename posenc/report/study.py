@@ -57,12 +57,16 @@ STUDIES = {
     "passkey": Study("Passkey retrieval", "python -m posenc.train -m -cd sweeps -cn passkey"),
     "rope-scaling": Study(
         "RoPE scaled at evaluation (PI, NTK, YaRN)",
-        "for m in pi ntk dynamic_ntk yarn; do python -m posenc.evaluate <each rope run of the reproduction> "
-        "eval.rope_scaling=$m eval.rope_scaling_factor=32; done",
+        "python -m posenc.train -m -cd sweeps -cn frontier  # its rope-L64-s0 run, then at factor 8:\n"
+        "for m in pi ntk dynamic_ntk yarn yarn_paper llama3; do python -m posenc.evaluate "
+        "outputs/sweeps/frontier/rope-L64-s0 eval.rope_scaling=$m eval.rope_scaling_factor=8; "
+        "done",
     ),
     "attention-statistics": Study(
         "Attention statistics by length",
-        "python -m posenc.evaluate <each run of the reproduction> eval.attention_stats=true",
+        "python -m posenc.train -m -cd sweeps -cn frontier  # then, for each of its runs named below:\n"
+        "for r in alibi nope rope fox stick_breaking; do python -m posenc.evaluate outputs/sweeps/frontier/$r-L64-s0 "
+        "eval.attention_stats=true; done",
     ),
 }
 
