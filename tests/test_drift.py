@@ -25,6 +25,7 @@ from posenc.evaluate.drift import (
 )
 from posenc.model import Decoder
 from posenc.report import build_report, find_results
+from posenc.report.drift import drift_groups
 from posenc.runs import load_checkpoint, load_module
 from posenc.train import train
 
@@ -172,3 +173,16 @@ def test_the_report_marks_learnable_schemes_and_draws_their_bias(tmp_path: Path)
     assert "## First-layer bias by distance, trained at L=16" in markdown
     figure = tmp_path / "report" / "learned_bias_L16.png"
     assert figure.is_file() and not list((tmp_path / "report").glob(".*partial*"))
+
+
+def test_a_run_evaluated_under_several_protocols_is_one_column_of_drift(tmp_path: Path) -> None:
+    _drift_result(tmp_path, "t5", 0, 0.5, 0.01)
+    nonoverlap = json.loads((tmp_path / "t5_0" / "eval" / "results.json").read_text())
+    sliding = tmp_path / "t5_0" / "eval_sliding_f0.5"
+    sliding.mkdir()
+    (sliding / "results.json").write_text(
+        json.dumps({**nonoverlap, "eval": {"mode": "sliding", "stride_fraction": 0.5}})
+    )
+    (by_label,) = drift_groups(find_results([tmp_path]), "positional_drift").values()
+    assert list(by_label) == ["t5"] and len(by_label["t5"]) == 1
+    assert Path(by_label["t5"][0]["_source"]).parent.name == "eval"

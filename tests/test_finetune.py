@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import FAST, compose_train
 
-import posenc.training
+import posenc.training.loop
 from posenc.api import load_run
 from posenc.encodings.alibi import alibi_slopes
 from posenc.report import build_report, find_results
@@ -135,7 +135,7 @@ def test_lineage_reaches_wandb(parents: dict[str, Path], tmp_path: Path, monkeyp
         seen.update(config=config, tags=tags)
         return []
 
-    monkeypatch.setattr(posenc.training, "build_loggers", capture)
+    monkeypatch.setattr(posenc.training.loop, "build_loggers", capture)
     train(compose_train("+encoding=nope", *FAST, f"init_from={parents['rope']}"), tmp_path)
     assert seen["config"]["lineage"] == run_json(tmp_path)["lineage"]
     assert {"finetuned", "from:rope", "changed:scheme", "parent:rope-L16-s0"} <= set(seen["tags"])

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate.stats import ALPHA, Interval, holm, paired_comparison, t_interval
-from posenc.training.identity import identity
+from posenc.training.identity import filled_in, identity
 
 Key = tuple[int, str, int | None]  # (train_len, mode, stride)
 Columns = dict[str, list[dict[str, Any]]]  # {column label: the runs pooled in it}
@@ -159,12 +159,13 @@ def differences(by_label: Columns) -> dict[str, list[str]]:
     Within one scheme the labels already name the difference (``alibi · max_steps=40``); across schemes only
     this says that ``t5`` was trained for 100 steps and ``rope`` for 30.
     """
-    settings = {label: identity(runs[0]) for label, runs in by_label.items()}
-    keys = sorted({key for one in settings.values() for key in one if not key.startswith(_NAMED)})
-    differing = [key for key in keys if len({repr(one.get(key)) for one in settings.values()}) > 1]
+    recorded = {label: identity(runs[0]) for label, runs in by_label.items()}
+    keys = sorted({key for one in recorded.values() for key in one if not key.startswith(_NAMED)})
+    settings = {label: filled_in(one, keys) for label, one in recorded.items()}  # what older runs left unsaid
+    differing = [key for key in keys if len({repr(one[key]) for one in settings.values()}) > 1]
     if {"data.corpus", "data.task"} & set(differing):  # the corpus says it; its fingerprint adds nothing
         differing = [key for key in differing if key != "data.fingerprint"]
-    return {label: [f"{key}={settings[label].get(key, '(unset)')}" for key in differing] for label in by_label}
+    return {label: [f"{key}={settings[label][key]}" for key in differing] for label in by_label}
 
 
 class Appendix:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate.drift import BARELY_MOVED, STILL_MOVING
-from posenc.report.common import Appendix, Columns, interval_cells, order, table_head
+from posenc.report.common import Appendix, Columns, interval_cells, order, run_dir, table_head
 from posenc.training.identity import columns
 
 FIXED = "fixed"  # a column whose scheme has no trainable positional parameter
@@ -36,10 +36,17 @@ def drift_groups(results: list[dict[str, Any]], field: str) -> dict[int, Columns
 
     A run of a fixed scheme records ``positional_drift`` as null and still has a column (marked fixed).
     """
-    by_length: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    # One result a training run: its other evaluations (sliding windows, a scaling) hold the same parameters. The
+    # end-of-training evaluation (eval/) is the one kept where there are several.
+    one_each: dict[str, dict[str, Any]] = {}
     for run in results:
         if field in run and not run.get("failed"):
-            by_length[int(run["train_len"])].append(run)
+            key = run_dir(run) if run.get("_source") else f"{run.get('run_name')}/{run.get('seed')}"
+            if key not in one_each or Path(run.get("_source", "")).parent.name == "eval":
+                one_each[key] = run
+    by_length: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for run in one_each.values():
+        by_length[int(run["train_len"])].append(run)
     return {train_len: columns(runs) for train_len, runs in by_length.items()}
 
 

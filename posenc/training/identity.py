@@ -44,6 +44,11 @@ RESULT_FIELDS = {
     "summary",
     "training",
     "trained_task",
+    # measurements that may be null (no learnable or no bias parameter), never settings; where weights came from
+    # is a setting already (init_from), the lineage record says what carried over
+    "learned_bias",
+    "positional_drift",
+    "lineage",
 }
 SEPARATOR = " · "
 UNSET = "(unset)"
@@ -135,6 +140,16 @@ def _suffix(settings: Mapping[str, Any], keys: Sequence[str]) -> str:
     return SEPARATOR.join(shown[:3] + (["…"] if len(shown) > 3 else []))
 
 
+def filled_in(settings: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    """``settings`` at ``keys``, with what an older run did not record filled in.
+
+    Such a key takes the project's default (or what runs did before the key existed, ``INTRODUCED``); with no
+    default known it reads ``(unset)`` and differs.
+    """
+    defaults = {**_defaults(), **INTRODUCED}
+    return {key: settings.get(key, defaults.get(key, UNSET)) for key in keys}
+
+
 def columns(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """{column label: runs pooled in it}: runs of one label are split by identity, labels name the difference."""
     by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -144,9 +159,7 @@ def columns(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     for label, group in by_label.items():
         settings = [identity(run) for run in group]
         keys = sorted({key for one in settings for key in one})
-        defaults = {**_defaults(), **INTRODUCED}
-        # A key an older run did not record takes the project's default; with no default known, it differs.
-        filled = [{key: one.get(key, defaults.get(key, UNSET)) for key in keys} for one in settings]
+        filled = [filled_in(one, keys) for one in settings]
         identities: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = {}
         for run, one in zip(group, filled, strict=True):
             identities.setdefault(repr(list(one.items())), (one, []))[1].append(run)
