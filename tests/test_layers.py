@@ -28,7 +28,6 @@ LAYERS = {
     "data": 5,
     "training.lit": 6,
     "runs": 7,
-    "training.loggers": 8,
     "training.identity": 8,
     "api": 8,
     "training.sweep": 8,

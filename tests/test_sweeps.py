@@ -22,8 +22,8 @@ from hydra.utils import instantiate
 from posenc.config import CONF_DIR, encoding_choices
 from posenc.encodings import available
 from posenc.runs import read_checkpoint, write_done
+from posenc.runs.loggers import build_loggers
 from posenc.train import train
-from posenc.training.loggers import build_loggers
 from posenc.training.sweep import (
     DONE_FILE,
     SWEEP_FILE,

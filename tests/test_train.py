@@ -13,9 +13,9 @@ import torch
 from helpers import FAST, compose_train
 
 from posenc.config import encoding_choices
+from posenc.runs.loggers import resolve_wandb_mode
 from posenc.train import train
 from posenc.training.lit import LitDecoder, warmup_cosine
-from posenc.training.loggers import resolve_wandb_mode
 
 
 def strict_json(path: Path) -> dict:

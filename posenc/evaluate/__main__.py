@@ -157,7 +157,7 @@ def _log_to_wandb(
 
     from posenc.evaluate.wandb_tables import log_results
     from posenc.runs import WANDB_ID_FILE
-    from posenc.training.loggers import resolve_wandb_mode
+    from posenc.runs.loggers import resolve_wandb_mode
 
     logger_cfg = config["logger"]
     mode = resolve_wandb_mode(logger_cfg.get("mode", "auto"))

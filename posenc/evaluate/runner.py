@@ -32,8 +32,8 @@ from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.evaluate.wandb_tables import log_results
 from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
 from posenc.runs.checks import ATTENTION_SCALES
+from posenc.runtime import eager_modules as eager_blocks  # compiled blocks run uncompiled in evaluation
 from posenc.runtime import precision_context
-from posenc.training.compiling import eager_blocks
 
 __all__ = ["TASK_NAMES", "ExtrapolationEval", "evaluate_model", "print_results", "replace_outputs", "write_outputs"]
 

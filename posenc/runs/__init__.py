@@ -10,7 +10,9 @@ run "finished", "failed" or "resumable" is decided once:
   checkpoint a resume starts from, and the line a full disk ends a run with;
 - ``checkpoint_io``: how Lightning writes checkpoints (atomically, the one before kept); imported by the training
   loop only, since it needs Lightning;
-- ``lineage``: starting a run from another run's weights (``init_from``) and recording what carried over.
+- ``lineage``: starting a run from another run's weights (``init_from``) and recording what carried over;
+- ``loggers``: where a run's metrics go, W&B (online or offline) and CSV; imported by the training loop and a
+  re-evaluation only, since it needs Lightning.
 """
 
 from posenc.runs.checkpoints import (

@@ -4,7 +4,6 @@
 - ``callbacks``: token accounting (tokens/s, the conditions it was measured under) and saving where a run stops;
 - ``lit``: the thin LightningModule around the one decoder (loss, optimiser, divergence checks);
 - ``compiling``: when and how the decoder's blocks are compiled;
-- ``loggers``: W&B (online or offline) and CSV;
 - ``identity``: what makes two runs the same experiment (a report's column), seed aside;
 - ``sweep``: a multirun's bookkeeping: what to skip, resume or refuse before the first job starts.
 

@@ -47,10 +47,10 @@ from posenc.runs import (
     write_json,
 )
 from posenc.runs.checkpoint_io import AtomicCheckpointIO
+from posenc.runs.loggers import build_loggers, finish_loggers
 from posenc.runtime import resolve_precision
 from posenc.training.callbacks import SaveOnInterrupt, TokenAccounting
 from posenc.training.lit import DivergedError, LitDecoder
-from posenc.training.loggers import build_loggers, finish_loggers
 
 # Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
 # training windows are numbered, and a resumed run starts after those it trained on (TokenAccounting).
