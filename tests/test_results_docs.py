@@ -55,7 +55,7 @@ def test_a_study_document_regenerates_from_the_records_kept_beside_it(
     first = write_study("reproduction", [str(sweep)], out, make_plots=False)
     assert first.startswith("# Reproduction: which scheme extrapolates\n")
     assert "python -m posenc.train -m -cd sweeps -cn repro" in first
-    assert "| 4 | 2 | cpu × 2 | 2.13.0+cpu | 2 min (4 min) | 2026-11-26 |" in first  # runs, n, machine, torch, time
+    assert "| 4 | 2 | cpu × 2 | 2.13.0+cpu | 2 min (4 min) | 2026-11-26 |" in first  # runs, n, machine, torch, times
     records = Path("docs/results/reproduction/runs")
     kept = sorted(p.relative_to(records).as_posix() for p in records.rglob("*") if p.is_file())
     assert "alibi-L32-s0/eval/results.json" in kept and "alibi-L32-s0/run.json" in kept

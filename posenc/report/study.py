@@ -120,7 +120,7 @@ def header(name: str, study: Study, results: list[dict[str, Any]], out: Path) ->
         f"python -m posenc.report {records_dir.as_posix()} --study {name} --out {out.as_posix()}",
         "```",
         "",
-        "| runs | seeds per column | machine | torch | wall time (compute) | finished |",
+        "| runs | seeds per column | machine | torch | wall time (the runs one after another) | finished |",
         "|---:|---:|---|---|---|---|",
         f"| {len(runs)} | {n} | {', '.join(machines)} | {', '.join(torches)} | {_duration(wall)} "
         f"({_duration(compute)}) | {finished[-1][:10] if finished else 'not recorded'} |",
