@@ -114,7 +114,7 @@ def test_every_study_opens_with_its_provenance() -> None:
         assert "```bash\n" in head, f"{path.name}: no command before its first section"
         # Written by the report: the runs' own record in one table; transcribed: the fields as the text gave them.
         fields = (
-            ("| runs |", "| seeds per column |", "| machine |", "| torch |", "| wall time")
+            ("| runs (results) |", "| seeds per column |", "| machine |", "| torch |", "| training wall time")
             if generated
             else ("**Machine**", "**torch**", "**Wall time**", "**n**", "**Date**")
         )

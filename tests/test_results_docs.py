@@ -55,7 +55,9 @@ def test_a_study_document_regenerates_from_the_records_kept_beside_it(
     first = write_study("reproduction", [str(sweep)], out, make_plots=False)
     assert first.startswith("# Reproduction: which scheme extrapolates\n")
     assert "python -m posenc.train -m -cd sweeps -cn repro" in first
-    assert "| 4 | 2 | cpu × 2 | 2.13.0+cpu | 2 min (4 min) | 2026-11-26 |" in first  # runs, n, machine, torch, times
+    assert (
+        "| 4 (4) | 2 | cpu × 2 | 2.13.0+cpu | 2 min (4 min) | 2026-11-26 |" in first
+    )  # runs, n, machine, torch, times
     records = Path("docs/results/reproduction/runs")
     kept = sorted(p.relative_to(records).as_posix() for p in records.rglob("*") if p.is_file())
     assert "alibi-L32-s0/eval/results.json" in kept and "alibi-L32-s0/run.json" in kept
@@ -86,7 +88,7 @@ def test_every_results_document_is_written_by_the_report(
     assert END in text, f"{document.name} opens a generated block and never closes it"
     header = text.split(BEGIN, 1)[0]
     tables = [line for line in header.splitlines() if line.startswith("|")]
-    assert len(tables) == 3 and tables[0].startswith("| runs |"), "only the runs' own record above the block"
+    assert len(tables) == 3 and tables[0].startswith("| runs (results) |"), "only the runs' own record above the block"
     after = text.split(END, 1)[1]
     assert not any(line.startswith("|") for line in after.splitlines()), "a table typed by hand after the block"
     name = document.stem

@@ -42,6 +42,7 @@ class Study:
 
     title: str
     runs_command: str
+    inputs: str = "<their sweep or run directories>"  # what the report reads of those runs
 
 
 STUDIES = {
@@ -52,6 +53,7 @@ STUDIES = {
     "frontier": Study(
         "The 2024–2025 frontier on the reproduction's backbone (one seed)",
         "python -m posenc.train -m -cd sweeps -cn frontier",
+        "outputs/sweeps/frontier",
     ),
     "recall": Study("Associative recall by length", "python -m posenc.train -m -cd sweeps -cn retrieval"),
     "passkey": Study("Passkey retrieval", "python -m posenc.train -m -cd sweeps -cn passkey"),
@@ -61,12 +63,14 @@ STUDIES = {
         "for m in pi ntk dynamic_ntk yarn yarn_paper llama3; do python -m posenc.evaluate "
         "outputs/sweeps/frontier/rope-L64-s0 eval.rope_scaling=$m eval.rope_scaling_factor=8; "
         "done",
+        "outputs/sweeps/frontier/rope-L64-s0/eval outputs/sweeps/frontier/rope-L64-s0/eval_*x8",
     ),
     "attention-statistics": Study(
         "Attention statistics by length",
         "python -m posenc.train -m -cd sweeps -cn frontier  # then, for each of its runs named below:\n"
         "for r in alibi nope rope fox stick_breaking; do python -m posenc.evaluate outputs/sweeps/frontier/$r-L64-s0 "
         "eval.attention_stats=true; done",
+        "outputs/sweeps/frontier/*/eval_attention_statsTrue",
     ),
 }
 
@@ -100,7 +104,9 @@ def header(name: str, study: Study, results: list[dict[str, Any]], out: Path) ->
         seeds.setdefault(run["label"], set()).add(run.get("seed"))
     counts = sorted(len(s) for s in seeds.values())
     n = "–".join(dict.fromkeys(map(str, (counts[0], counts[-1])))) if counts else "0"
-    records = [_record(run) for run in runs]
+    # One record a training run, however many of its evaluations the study reads (protocols, scalings).
+    trained = {run_dir(run): run for run in runs}
+    records = [_record(run) for run in trained.values()]
     conditions = [r.get("train_conditions") or {} for r in records]
     machines = sorted({c["device"] for c in conditions if c.get("device")}) or ["not recorded"]
     torches = sorted({c["torch"] for c in conditions if c.get("torch")}) or ["not recorded"]
@@ -116,13 +122,13 @@ def header(name: str, study: Study, results: list[dict[str, Any]], out: Path) ->
         "",
         "```bash",
         study.runs_command,
-        f"python -m posenc.report <their sweep or run directories> --study {name} --out {out.as_posix()}",
+        f"python -m posenc.report {study.inputs} --study {name} --out {out.as_posix()}",
         f"python -m posenc.report {records_dir.as_posix()} --study {name} --out {out.as_posix()}",
         "```",
         "",
-        "| runs | seeds per column | machine | torch | wall time (the runs one after another) | finished |",
+        "| runs (results) | seeds per column | machine | torch | training wall time (runs end to end) | finished |",
         "|---:|---:|---|---|---|---|",
-        f"| {len(runs)} | {n} | {', '.join(machines)} | {', '.join(torches)} | {_duration(wall)} "
+        f"| {len(trained)} ({len(runs)}) | {n} | {', '.join(machines)} | {', '.join(torches)} | {_duration(wall)} "
         f"({_duration(compute)}) | {finished[-1][:10] if finished else 'not recorded'} |",
         "",
     ]
