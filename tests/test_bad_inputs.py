@@ -101,7 +101,7 @@ ROWS = [
     ("evaluate, mismatched override", "evaluate", ["{run}", "+encoding=rope"], "checkpoint/config mismatch"),
     ("evaluate, eval multiple 0", "evaluate", ["{run}", "eval.multiples=[0]"], "eval.multiples=[0] must list"),
     ("report, empty dir", "report", ["{files}/empty-dir"], "no results.json found"),
-    ("report, corrupt results", "report", ["{files}/corrupt"], "corrupt/results.json: Unterminated string"),
+    ("report, corrupt results", "report", ["{files}/corrupt"], "corrupt/results.json: cut short or damaged JSON"),
 ]
 # Hydra's own errors for names it cannot compose are a few lines (what is wrong, then how to get a stack trace).
 HYDRA_ROWS = {"unknown scheme", "unknown override key"}

@@ -18,9 +18,11 @@ from hydra._internal.callbacks import Callbacks
 from hydra.core.global_hydra import GlobalHydra
 from hydra.types import HydraContext
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from posenc.config import CONF_DIR, encoding_choices
 from posenc.encodings import available
+from posenc.model import encoding_label
 from posenc.runs import read_checkpoint, write_done
 from posenc.runs.loggers import build_loggers
 from posenc.train import train
@@ -159,6 +161,18 @@ def test_a_resumed_run_trains_on_fresh_windows(tmp_path: Path, monkeypatch: pyte
     assert seen[:8] == list(range(12, 20))
 
 
+def config_labels() -> set[str]:
+    """The run label of every config in conf/encoding/: a scheme's own name, or the stack or schedule it configures
+    (``ssmax`` trains as ``rope+ssmax``); every registered scheme is among their members."""
+    labels = set()
+    for choice in encoding_choices():
+        spec = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "encoding" / f"{choice}.yaml"), resolve=False)
+        labels.add(encoding_label(spec))
+    members = {part for label in labels for entry in label.split(",") for part in entry.split("×")[0].split("+")}
+    assert set(available()) <= members, f"registered but in no config: {set(available()) - members}"
+    return labels
+
+
 def test_extrapolation_sweep_covers_every_scheme_seed_and_length(tmp_path: Path) -> None:
     listing = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", "extrapolation"]
     result = launch(tmp_path, command=listing)
@@ -168,7 +182,7 @@ def test_extrapolation_sweep_covers_every_scheme_seed_and_length(tmp_path: Path)
     jobs = [Path(path) for _, path, _ in lines]
     names = [job.name for job in jobs]
     labels = {name.rsplit("-", 2)[0] for name in names}
-    assert labels >= set(available()) | {"rope×3,nope", "rope+alibi"}
+    assert labels == config_labels() and {"rope×3,nope", "rope+alibi"} <= labels
     assert len(names) == len(set(names)) == len(labels) * 3 * 2
     assert {name.rsplit("-", 2)[1] for name in names} == {"L64", "L128"}
     assert {name.rsplit("-", 2)[2] for name in names} == {"s0", "s1", "s2"}
@@ -182,7 +196,7 @@ def test_gpu_reproduction_sweep_trains_every_config_at_512_with_the_small_model(
     result = launch(tmp_path, command=listing)
     assert result.returncode == 0, result.stderr[-3000:]
     names = [Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")]
-    assert {name.rsplit("-", 2)[0] for name in names} >= set(available())
+    assert {name.rsplit("-", 2)[0] for name in names} == config_labels()
     assert {name.rsplit("-", 2)[1] for name in names} == {"L512"} and len(names) == len(encoding_choices())
     config = compose_train("+encoding=alibi", "experiment=repro_gpu")
     assert (config.model.depth, config.model.dim, config.model.heads) == (12, 768, 12)
