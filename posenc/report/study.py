@@ -56,7 +56,7 @@ STUDIES = {
         "outputs/sweeps/frontier",
     ),
     "recall": Study("Associative recall by length", "python -m posenc.train -m -cd sweeps -cn retrieval"),
-    "passkey": Study("Passkey retrieval", "python -m posenc.train -m -cd sweeps -cn passkey"),
+    "passkey": Study("Passkey retrieval", "python -m posenc.train -m -cd sweeps -cn passkey", "outputs/sweeps/passkey"),
     "rope-scaling": Study(
         "RoPE scaled at evaluation (PI, NTK, YaRN)",
         "python -m posenc.train -m -cd sweeps -cn frontier  # its rope-L64-s0 run, then at factor 8:\n"
