@@ -37,6 +37,7 @@ import torch
 
 from posenc.attention.flex import FALLBACK_WARNING
 from posenc.config import CONF_DIR, encoding_choices
+from posenc.jsonio import write_text
 
 ROOT = CONF_DIR.parent
 DDP = "ddp"  # the row name of the data-parallel run
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGPU tests: {gpu_tests_verdict(tests_passed, tests_summary)}: {tests_summary}")
     rows = table(checks, args.multiples, min(args.jobs, len(checks)))
     print(rows)
-    (out / "table.md").write_text(rows + "\n")
+    write_text(out / "table.md", rows + "\n")
     if args.jobs > 1:
         print(f"steps/s: up to {args.jobs} runs shared the device; a smoke figure, not a speed (--jobs 1 measures it)")
     failed = [check.name for check in checks if not check.ok]

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from posenc.gpu.runner import Step
+from posenc.gpu.runner import RESERVE_S, Step
 
 STAGES = ("proof", "speed", "repro")
 COMPILE_S = 15.0  # planning figure: one compiled graph on the GPU machine (FlexAttention: seconds to tens of them)
@@ -177,8 +177,6 @@ def _speed(options: Options) -> list[Step]:
 
 def repro_training_s(deadline_s: float) -> int:
     """Seconds of training that leave the evaluation, its compilation and the summary inside the deadline."""
-    from posenc.gpu.runner import RESERVE_S
-
     rest = RESERVE_S + VERSIONS_S + START_S + REPRO_EVAL_GRAPHS * COMPILE_S + REPRO_EVAL_COMPUTE_S
     return max(30, int(deadline_s - rest))
 

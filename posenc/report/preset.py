@@ -16,7 +16,7 @@ adjusted together by Holm's method, so the chance of any false "separated" claim
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,25 +93,24 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
     """Markdown lines of the section; empty when no table holds a reference and another column."""
     tests: list[tuple[str, str, str, int, dict[str, Any]]] = []  # (table, column, reference, length, result)
     tables: dict[str, tuple[int, str]] = {}  # table title -> (train_len, what the cells are)
+
+    def compare(title: str, train_len: int, by_label: Columns, rows: str, test: Callable, kind: str) -> None:
+        """Every column against each reference at every length of ``rows`` (``perplexity`` or ``mqar``)."""
+        lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run[rows]})
+        for column, reference in pairs(by_label, references):
+            for length in lengths:
+                result = test(_shared(by_label, column, reference), length)
+                if result is not None:
+                    tests.append((title, column, reference, length, result))
+                    tables[title] = (train_len, kind)
+
     for (train_len, mode, stride), by_label in sorted(group_runs(results).items(), key=lambda item: str(item[0])):
         title = f"Perplexity, trained at L={train_len} — {protocol(mode, stride)}"
-        lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
-        for column, reference in pairs(by_label, references):
-            for length in lengths:
-                result = perplexity_test(_shared(by_label, column, reference), length)
-                if result is not None:
-                    tests.append((title, column, reference, length, result))
-                    tables[title] = (train_len, "ppl")
+        compare(title, train_len, by_label, "perplexity", perplexity_test, "ppl")
     for train_len, all_columns in sorted(task_columns(results, "mqar").items()):
-        by_label = selected(all_columns)[0]
-        title = f"MQAR recall, trained at L={train_len}"
-        lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run["mqar"]})
-        for column, reference in pairs(by_label, references):
-            for length in lengths:
-                result = recall_test(_shared(by_label, column, reference), length)
-                if result is not None:
-                    tests.append((title, column, reference, length, result))
-                    tables[title] = (train_len, "recall")
+        compare(
+            f"MQAR recall, trained at L={train_len}", train_len, selected(all_columns)[0], "mqar", recall_test, "recall"
+        )
     if not tests:
         return []
     adjusted = holm({str(index): test[4]["p"] for index, test in enumerate(tests)})

@@ -74,8 +74,13 @@ def _saved_config(result: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 @functools.cache
+@functools.cache
 def _defaults() -> dict[str, Any]:
-    """The project's default settings (every group's default yaml), flattened: what an older run left unsaid."""
+    """The project's default settings (every group's default yaml), flattened: what an older run left unsaid.
+
+    Read once a process: every run of a report is filled in from it, and the yaml files do not change meanwhile.
+    Callers only read it.
+    """
     main = OmegaConf.load(CONF_DIR / "train.yaml")
     top = OmegaConf.to_container(main, resolve=False)
     defaults = {k: v for k, v in experiment_settings(top).items() if not k.startswith(("hydra", "defaults"))}
@@ -146,8 +151,8 @@ def filled_in(settings: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any
     Such a key takes the project's default (or what runs did before the key existed, ``INTRODUCED``); with no
     default known it reads ``(unset)`` and differs.
     """
-    defaults = {**_defaults(), **INTRODUCED}
-    return {key: settings.get(key, defaults.get(key, UNSET)) for key in keys}
+    defaults = _defaults()
+    return {key: settings.get(key, INTRODUCED.get(key, defaults.get(key, UNSET))) for key in keys}
 
 
 def columns(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
