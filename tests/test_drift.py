@@ -26,6 +26,7 @@ from posenc.evaluate.drift import (
 from posenc.model import Decoder
 from posenc.report import build_report, find_results
 from posenc.report.drift import drift_groups
+from posenc.report.study import keep_records
 from posenc.runs import load_checkpoint, load_module
 from posenc.train import train
 
@@ -117,10 +118,14 @@ def test_a_run_records_drift_everywhere_and_evaluation_rebuilds_it(tmp_path: Pat
         logged = [row for row in csv.DictReader(handle) if row.get("drift/max")]
     assert [int(row["step"]) for row in logged] == list(range(10))  # one row per step (Lightning counts from 0)
     assert float(logged[-1]["drift/layer0.table"]) > 0
+    # The curve in the record is the logged one, step for step (the record counts the steps done).
+    assert [step for step, _ in record["curve"]] == list(range(1, 11))
+    assert [value for _, value in record["curve"]] == pytest.approx([float(row["drift/max"]) for row in logged])
     checkpoint = tmp_path / "checkpoints" / "last.ckpt"
     module, _ = load_module(checkpoint, "cpu", None)
     rebuilt = from_checkpoint(load_checkpoint(checkpoint, mmap=True)["callbacks"], module.model)
     assert rebuilt["tensors"] == record["tensors"] and rebuilt["late_from_step"] == 9
+    assert rebuilt["curve"] == record["curve"]
 
 
 def _drift_result(root: Path, label: str, seed: int, total: float | None, late: float | None) -> None:
@@ -186,3 +191,36 @@ def test_a_run_evaluated_under_several_protocols_is_one_column_of_drift(tmp_path
     (by_label,) = drift_groups(find_results([tmp_path]), "positional_drift").values()
     assert list(by_label) == ["t5"] and len(by_label["t5"]) == 1
     assert Path(by_label["t5"][0]["_source"]).parent.name == "eval"
+
+
+def test_the_report_tables_the_drift_curve_and_reads_an_older_runs_curve_from_its_log(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    for seed in (0, 1):
+        _drift_result(runs, "alibi", seed, None, None)
+        _drift_result(runs, "t5", seed, 0.5, 0.01)
+    # Seed 0 records its curve; seed 1 predates that and logged it only as drift/max in its CSV (steps from 0).
+    results_file = runs / "t5_0" / "eval" / "results.json"
+    result = json.loads(results_file.read_text())
+    result["positional_drift"]["curve"] = [[10 * (i + 1), 0.1 * (i + 1)] for i in range(10)]
+    results_file.write_text(json.dumps(result))
+    (runs / "t5_1" / "csv").mkdir()
+    lines = ["step,drift/max,train/loss"] + [f"{10 * i + 9},{0.2 * (i + 1)},1.0" for i in range(10)] + ["99,,0.9"]
+    (runs / "t5_1" / "csv" / "metrics.csv").write_text("\n".join(lines) + "\n")
+
+    markdown = build_report(find_results([runs]), tmp_path / "report")
+    section = markdown.split("## Positional parameters by step, trained at L=16")[1].split("\n## ")[0]
+    table = [line for line in section.splitlines() if line.startswith("| ")]
+    assert [cell.split(" (")[0].strip() for cell in table[0].split("|")[2:-1]] == ["t5"]  # fixed schemes: no curve
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in table[1:]}
+    assert list(rows) == ["10%", "25%", "50%", "75%", "90%", "100%"]
+    assert rows["50%"].startswith("0.7500 ±") and rows["100%"].startswith("1.5000 ±")  # (0.5 + 1.0) / 2, (1 + 2) / 2
+    assert (tmp_path / "report" / "drift_curve_L16.png").is_file()
+
+    # A study keeps the older run's log beside its records, so the table regenerates from them.
+    keep_records(find_results([runs]), tmp_path / "kept")
+    assert (tmp_path / "kept" / "t5_1" / "csv" / "metrics.csv").is_file()
+    assert not (tmp_path / "kept" / "t5_0" / "csv").exists()
+    again = build_report(find_results([tmp_path / "kept"]), tmp_path / "again", make_plots=False)
+    assert again.split("## Positional parameters by step, trained at L=16")[1].split("\n## ")[0].replace(
+        str(tmp_path / "kept"), ""
+    ) == section.replace(str(runs), "")

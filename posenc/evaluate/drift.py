@@ -61,12 +61,18 @@ def relative_change(new: Tensor, reference: Tensor) -> float:
 
 
 def drift_record(
-    final: dict[str, Tensor], initial: dict[str, Tensor], late: dict[str, Tensor] | None, late_step: int | None
+    final: dict[str, Tensor],
+    initial: dict[str, Tensor],
+    late: dict[str, Tensor] | None,
+    late_step: int | None,
+    curve: list[list[float]] | None = None,
 ) -> dict[str, Any] | None:
-    """Each tensor's total and last-tenth relative change, the largest of each, and the two marks.
+    """Each tensor's total and last-tenth relative change, the largest of each, the two marks, and the curve.
 
     ``None`` for a model without trainable scheme parameters (nothing to watch). ``late`` is ``None`` when training
     never reached 90% of its steps (an interrupted run): no last-tenth figure then, and no "still moving" mark.
+    ``curve`` is ``[step, largest change so far]`` at every logged step: whether the change flattened, which two
+    snapshots cannot say, is what a sweep over learning rates compares.
     """
     if not final:
         return None
@@ -93,6 +99,7 @@ def drift_record(
         "still_moving": late_max is not None and late_max > STILL_MOVING,
         "barely_moved": total < BARELY_MOVED,
         "thresholds": {"still_moving": STILL_MOVING, "barely_moved": BARELY_MOVED, "rms_floor": RMS_FLOOR},
+        "curve": [[int(step), float(value)] for step, value in curve or []],
     }
 
 
@@ -101,7 +108,9 @@ def from_checkpoint(callbacks_state: dict[str, Any], model: nn.Module) -> dict[s
     state = callbacks_state.get(PositionalDrift.__qualname__) or {}
     if not state.get("initial"):
         return None
-    return drift_record(scheme_tensors(model), state["initial"], state.get("late"), state.get("late_step"))
+    return drift_record(
+        scheme_tensors(model), state["initial"], state.get("late"), state.get("late_step"), state.get("curve")
+    )
 
 
 def console_lines(record: dict[str, Any] | None, label: str) -> list[str]:
@@ -141,6 +150,7 @@ class PositionalDrift(Callback):
         self.initial: dict[str, Tensor] = {}
         self.late: dict[str, Tensor] | None = None
         self.logged_step = -1
+        self.curve: list[tuple[int, Tensor | float]] = []  # (step, drift/max): read off the device only at the end
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.initial:
@@ -165,18 +175,23 @@ class PositionalDrift(Callback):
                 changes[f"drift/{short_name(name)}"] = (p.float() - start.to(p.device)).norm() / scale
         if changes:
             changes["drift/max"] = torch.stack(list(changes.values())).max()
+            self.curve.append((step, changes["drift/max"]))
             pl_module.log_dict(changes)
 
     def record(self, model: nn.Module) -> dict[str, Any] | None:
         """The run's ``positional_drift`` record for the current weights of ``model``."""
         if not self.initial:
             return None
-        return drift_record(scheme_tensors(model), self.initial, self.late, self.late_step)
+        return drift_record(scheme_tensors(model), self.initial, self.late, self.late_step, self._curve())
+
+    def _curve(self) -> list[list[float]]:
+        return [[step, float(value)] for step, value in self.curve]
 
     def state_dict(self) -> dict[str, Any]:
         late = None if self.late is None else dict(self.late)
-        return {"initial": dict(self.initial), "late": late, "late_step": self.late_step}
+        return {"initial": dict(self.initial), "late": late, "late_step": self.late_step, "curve": self._curve()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.initial = dict(state_dict.get("initial") or {})
         self.late = state_dict.get("late")
+        self.curve = [(int(step), float(value)) for step, value in state_dict.get("curve") or []]

@@ -23,7 +23,7 @@ from posenc.report.attention import attention_tables
 from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
 from posenc.report.cost import cost_plots_of, log_cost_scatter
-from posenc.report.drift import drift_tables, learned_bias_plots
+from posenc.report.drift import drift_curve_plots, drift_tables, learned_bias_plots
 from posenc.report.effective import effective_tables
 from posenc.report.finetuned import finetuned_tables
 from posenc.report.paired import paired_section
@@ -69,6 +69,7 @@ FIGURES: list[Callable[[Results, Path], list[Path]]] = [
     attention_plots,
     cost_plots_of,
     learned_bias_plots,
+    drift_curve_plots,
 ]
 
 

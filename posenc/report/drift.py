@@ -9,6 +9,7 @@ seeds), and marks a column whose parameters are still moving or have barely move
 
 from __future__ import annotations
 
+import csv
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -98,8 +99,115 @@ def drift_tables(results: list[dict[str, Any]], appendix: Appendix | None = None
         }
         out += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
         out.append("")
+    out += _curve_tables(results, appendix)
     out += _bias_tables(results, appendix)
     return "\n".join(out)
+
+
+CURVE_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)  # the steps at which the curve table reads each run's change
+
+
+def drift_curve(run: dict[str, Any]) -> list[list[float]]:
+    """``[[step, largest change so far], …]`` of one run: from its record, else from its CSV log (older runs).
+
+    Runs recorded before the curve went into ``positional_drift`` logged it as ``drift/max`` in
+    ``<run>/csv/metrics.csv`` (whose steps count from 0: step s there is s + 1 optimizer steps done).
+    """
+    record = run.get("positional_drift") or {}
+    if record.get("curve"):
+        return record["curve"]
+    if not record or not run.get("_source"):
+        return []
+    metrics = Path(run_dir(run)) / CSV_LOG
+    try:
+        with metrics.open(newline="") as handle:
+            rows = [row for row in csv.DictReader(handle) if row.get("drift/max")]
+        return [[int(row["step"]) + 1, float(row["drift/max"])] for row in rows]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+CSV_LOG = "csv/metrics.csv"
+
+
+def _at(curve: list[list[float]], step: float) -> float | None:
+    """The curve's value at the last logged step at or before ``step``."""
+    before = [value for at, value in curve if at <= step]
+    return before[-1] if before else None
+
+
+def _curve_tables(results: list[dict[str, Any]], appendix: Appendix | None) -> list[str]:
+    out = []
+    for train_len, by_label in sorted(drift_groups(results, "positional_drift").items()):
+        curves = {label: [drift_curve(run) for run in runs] for label, runs in by_label.items()}
+        labels = [label for label in order(by_label) if any(curves[label])]
+        if not labels:
+            continue
+        steps = {label: max(curve[-1][0] for curve in curves[label] if curve) for label in labels}
+        title = f"Positional parameters by step, trained at L={train_len}"
+        out += [
+            f"## {title}",
+            "",
+            "The largest relative change of any scheme tensor since the start, at each fraction of training (the "
+            "last step logged at or before it; mean over seeds ± the half-width of its 95% Student-t interval). A "
+            "curve that is still rising at 90%–100% had not settled; the figure draws every logged step.",
+            "",
+            *table_head({x: by_label[x] for x in labels}, labels, first="| step | ", title=title, appendix=appendix),
+        ]
+        for fraction in CURVE_FRACTIONS:
+            values = {
+                label: [_at(curve, fraction * steps[label]) if curve else None for curve in curves[label]]
+                for label in labels
+            }
+            cells = interval_cells(values, digits=4)
+            out.append(f"| {fraction:.0%} | " + " | ".join(cells[label] for label in labels) + " |")
+        out.append("")
+    return out
+
+
+def drift_curve_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Per training length, the largest change so far by step: a line per column (its seeds' mean), log scale.
+
+    Written beside its final name and renamed: a reader never sees half a PNG.
+    """
+    images = []
+    for train_len, by_label in sorted(drift_groups(results, "positional_drift").items()):
+        lines = {}
+        for label in order(by_label):
+            curves = [curve for curve in (drift_curve(run) for run in by_label[label]) if curve]
+            if curves:
+                steps = sorted({step for curve in curves for step, _ in curve})
+                mean = [sum(_at(curve, step) or 0.0 for curve in curves) / len(curves) for step in steps]
+                lines[label] = (steps, mean, len(curves))
+        if lines:
+            images.append(_curve_figure(lines, train_len, out_dir / f"drift_curve_L{train_len}.png"))
+    return images
+
+
+def _curve_figure(lines: dict[str, tuple[list[int], list[float], int]], train_len: int, path: Path) -> Path:
+    from posenc.evaluate.plots import plt  # matplotlib (Agg) only when plotting
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, (steps, mean, seeds) in lines.items():
+        ax.plot(steps, mean, linewidth=1.2, label=f"{label} (n={seeds})")
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("largest relative change since the start")
+    ax.axhline(BARELY_MOVED, color="grey", linestyle=":", linewidth=1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(f"Positional parameters by step, trained at L={train_len} (dotted: 'barely moved')", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def _save(fig: Any, plt: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.stem}.partial.png")
+    fig.savefig(partial, dpi=110)
+    plt.close(fig)
+    partial.replace(path)
+    return path
 
 
 def first_seed(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -175,9 +283,4 @@ def _bias_figure(curves: dict[str, dict[str, Any]], train_len: int, path: Path) 
     axes.flat[0].legend(fontsize=6)
     fig.suptitle(f"First-layer bias by distance, per head (lowest seed; dashed: training length {train_len})")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.stem}.partial.png")
-    fig.savefig(partial, dpi=110)
-    plt.close(fig)
-    partial.replace(path)
-    return path
+    return _save(fig, plt, path)

@@ -23,6 +23,7 @@ from posenc.jsonio import write_text
 from posenc.report.build import build_report
 from posenc.report.collect import find_results
 from posenc.report.common import run_dir
+from posenc.report.drift import CSV_LOG
 from posenc.runs import DONE_FILE, RUN_FILE
 
 # A study document whose tables were transcribed from the report of runs that are not kept beside it says so with
@@ -88,12 +89,18 @@ def keep_records(results: list[dict[str, Any]], records: Path) -> None:
             relative = results_file.relative_to(source)
             (target / relative.parent).mkdir(parents=True, exist_ok=True)
             shutil.copyfile(results_file, target / relative)
-        for record in (*RECORD_FILES, "failed.json"):
+        for record in (*RECORD_FILES, "failed.json", *_older_curve(run)):
             if (source / record).is_file():
-                target.mkdir(parents=True, exist_ok=True)
+                (target / record).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source / record, target / record)
     shutil.rmtree(records, ignore_errors=True)
     staging.rename(records) if staging.exists() else records.mkdir(parents=True, exist_ok=True)
+
+
+def _older_curve(run: dict[str, Any]) -> tuple[str, ...]:
+    """The CSV log of a run whose drift record predates the curve in it: the report reads the curve from the log."""
+    drift = run.get("positional_drift")
+    return (CSV_LOG,) if drift and not drift.get("curve") else ()
 
 
 def header(name: str, study: Study, results: list[dict[str, Any]], out: Path) -> list[str]:
