@@ -325,6 +325,14 @@ def test_the_controlled_sweeps_cover_six_schemes_at_five_seeds(
     assert names == expected
 
 
+def test_the_scheme_lr_sweep_gives_each_multiplier_its_own_run(tmp_path: Path) -> None:
+    result = launch(tmp_path, command=[sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", "scheme_lr"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
+    multipliers = (1, 3, 10, 30, 100)
+    assert names == {f"{s}-L64-s0-m{m}" for s in ("t5", "kerple_log", "fire") for m in multipliers}
+
+
 def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_random_block() -> None:
     from omegaconf import OmegaConf
 
