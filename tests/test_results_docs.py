@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from posenc.report.study import BEGIN, END, TRANSCRIBED, generated_block, write_study
+from posenc.report import find_results
+from posenc.report.study import BEGIN, END, TRANSCRIBED, generated_block, keep_records, write_study
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -101,3 +102,15 @@ def test_every_results_document_is_written_by_the_report(
     shutil.copyfile(document, Path("docs/results") / document.name)
     again = write_study(name, [copy.as_posix()], Path("docs/results") / document.name)
     assert generated_block(again) == generated_block(text)
+
+
+def test_runs_of_one_name_from_two_sweeps_keep_records_of_their_own(tmp_path: Path) -> None:
+    for sweep, ppl in (("gpt2_init", 6.0), ("pytorch_init", 5.0)):
+        run = tmp_path / sweep / "alibi-L64-s0"
+        (run / "eval").mkdir(parents=True)
+        result = {"label": "alibi", "train_len": 64, "seed": 0, "perplexity": [], "ppl": ppl}
+        (run / "eval" / "results.json").write_text(json.dumps(result))
+    records = tmp_path / "kept"
+    keep_records(find_results([tmp_path / "gpt2_init", tmp_path / "pytorch_init"]), records)
+    kept = {path.parent.parent.name: json.loads(path.read_text())["ppl"] for path in records.rglob("results.json")}
+    assert kept == {"gpt2_init--alibi-L64-s0": 6.0, "pytorch_init--alibi-L64-s0": 5.0}

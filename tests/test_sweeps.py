@@ -310,6 +310,7 @@ def test_reproduction_runs_both_protocols_from_one_run(tmp_path: Path) -> None:
     [
         ("controlled", ("alibi", "rope", "nope", "t5", "kerple_log", "fire"), None),
         ("retrieval_offset", ("alibi", "rope", "nope", "t5", "kerple_log", "fire"), ("0.001", "0.003", "0.01")),
+        ("controlled_passkey", ("alibi", "rope", "nope", "t5", "kerple_log", "fire"), ()),
     ],
 )
 def test_the_controlled_sweeps_cover_six_schemes_at_five_seeds(
@@ -318,7 +319,9 @@ def test_the_controlled_sweeps_cover_six_schemes_at_five_seeds(
     result = launch(tmp_path, command=[sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", name])
     assert result.returncode == 0, result.stderr[-3000:]
     names = {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
-    if extra is None:
+    if extra == ():  # one seed
+        expected = {f"{scheme}-passkey-L64-s0" for scheme in schemes}
+    elif extra is None:
         expected = {f"{scheme}-L64-s{seed}" for scheme in schemes for seed in range(5)}
     else:
         expected = {f"{scheme}-mqar-lr{lr}-L64-s{seed}" for scheme in schemes for lr in extra for seed in range(5)}
@@ -341,7 +344,11 @@ def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_ra
         printed = subprocess.run([*command, "--cfg", "job"], capture_output=True, text=True, timeout=120, check=True)
         return OmegaConf.create(printed.stdout)
 
-    controlled, offset = job("controlled"), job("retrieval_offset")
+    controlled, offset, passkey = job("controlled"), job("retrieval_offset"), job("controlled_passkey")
+    # One initialisation for every task of the comparison.
+    for composed in (controlled, offset, passkey):
+        assert composed.model.init == "pytorch" and composed.model.tie_embeddings is False
+    assert controlled.optim.scheme_lr_multiplier == passkey.optim.scheme_lr_multiplier == 30
     assert controlled.eval.sample == "long_documents" and list(controlled.eval.sliding_fractions) == [0.5]
     assert controlled.trainer.max_steps == 600 and list(controlled.eval.multiples) == [1, 2, 4, 8, 16, 32]
     assert offset.data.task == "mqar" and offset.data.task_options.kv_offset == "random"

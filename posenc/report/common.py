@@ -10,6 +10,7 @@ run directories behind every column.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -106,14 +107,19 @@ def seeded(runs: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float
 
 
 def order(labels: Iterable[str]) -> list[str]:
-    """Schemes in registry order first, then hybrids, each alphabetically: stable columns across reports."""
+    """Schemes in registry order first, then hybrids, each alphabetically: stable columns across reports.
+
+    Numbers in a label sort by value (``m=3`` before ``m=10`` before ``m=100``), so a swept setting reads in order.
+    """
     from posenc.encodings import available
 
     known = available()
 
-    def key(label: str) -> tuple[bool, int, str]:
+    def key(label: str) -> tuple[bool, int, tuple[str | float, ...]]:
         scheme = label.split(" · ")[0]
-        return scheme not in known, known.index(scheme) if scheme in known else 0, label
+        parts = re.split(r"(\d+(?:\.\d+)?)", label)  # text at even places, numbers at odd ones: always comparable
+        natural = tuple(float(part) if index % 2 else part for index, part in enumerate(parts))
+        return scheme not in known, known.index(scheme) if scheme in known else 0, natural
 
     return sorted(set(labels), key=key)
 

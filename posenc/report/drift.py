@@ -185,18 +185,32 @@ def drift_curve_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Path
 
 
 def _curve_figure(lines: dict[str, tuple[list[int], list[float], int]], train_len: int, path: Path) -> Path:
+    """One panel per scheme, a line per column of it (a swept setting reads as a sequence of colours)."""
     from posenc.evaluate.plots import plt  # matplotlib (Agg) only when plotting
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, (steps, mean, seeds) in lines.items():
-        ax.plot(steps, mean, linewidth=1.2, label=f"{label} (n={seeds})")
-    ax.set_yscale("log")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("largest relative change since the start")
-    ax.axhline(BARELY_MOVED, color="grey", linestyle=":", linewidth=1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(f"Positional parameters by step, trained at L={train_len} (dotted: 'barely moved')", fontsize=9)
+    by_scheme: dict[str, list[str]] = defaultdict(list)
+    for label in lines:
+        by_scheme[label.split(" · ")[0]].append(label)
+    panels = len(by_scheme)
+    width = min(panels, 3)
+    rows = math.ceil(panels / width)
+    fig, axes = plt.subplots(rows, width, figsize=(4.6 * width, 3.6 * rows), squeeze=False)
+    for ax, (scheme, labels) in zip(axes.flat, by_scheme.items(), strict=False):
+        colours = plt.cm.viridis([i / max(len(labels) - 1, 1) * 0.9 for i in range(len(labels))])
+        for colour, label in zip(colours, labels, strict=True):
+            steps, mean, seeds = lines[label]
+            shown = label.split(" · ", 1)[1] if " · " in label else label
+            ax.plot(steps, mean, linewidth=1.2, color=colour, label=f"{shown} (n={seeds})")
+        ax.set_yscale("log")
+        ax.axhline(BARELY_MOVED, color="grey", linestyle=":", linewidth=1)
+        ax.grid(alpha=0.3)
+        ax.set_title(scheme, fontsize=9)
+        ax.set_xlabel("optimizer step", fontsize=8)
+        ax.set_ylabel("largest relative change since the start", fontsize=8)
+        ax.legend(fontsize=6, loc="lower right")
+    for ax in list(axes.flat)[panels:]:
+        ax.set_visible(False)
+    fig.suptitle(f"Positional parameters by step, trained at L={train_len} (seeds' mean; dotted: 'barely moved')")
     fig.tight_layout()
     return _save(fig, plt, path)
 

@@ -66,6 +66,28 @@ STUDIES = {
         "done",
         "outputs/sweeps/frontier/rope-L64-s0/eval outputs/sweeps/frontier/rope-L64-s0/eval_*x8",
     ),
+    "scheme-lr": Study(
+        "The scheme parameters' learning rate: how far T5, KERPLE-log and FIRE learn in the reproduction's budget",
+        "python -m posenc.train -m -cd sweeps -cn scheme_lr  # GPT-2's initialisation, as the reproduction\n"
+        "python -m posenc.train -m -cd sweeps -cn scheme_lr optim.scheme_lr_multiplier=1,10,30,100 model.init=pytorch "
+        "model.tie_embeddings=false sweep_name=scheme_lr_pytorch  # the controlled comparison's initialisation",
+        "outputs/sweeps/scheme_lr outputs/sweeps/scheme_lr_pytorch",
+    ),
+    "initialisation": Study(
+        "One initialisation for every task: GPT-2's with a tied head against PyTorch's with an untied head",
+        "python -m posenc.train -m -cd sweeps -cn frontier  # its alibi and rope runs: GPT-2's, tied (the default)\n"
+        "python -m posenc.train -m -cd sweeps -cn passkey  # its alibi and rope runs: the same\n"
+        "python -m posenc.train -m experiment=repro +encoding=alibi,rope model.init=pytorch "
+        "model.tie_embeddings=false 'eval.sliding_fractions=[]' sweep_name=init_pytorch\n"
+        "python -m posenc.train -m -cd sweeps -cn passkey +encoding=alibi,rope model.init=pytorch "
+        "model.tie_embeddings=false sweep_name=passkey_init_pytorch\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=3e-3 seed=0 "
+        "model.init=gpt2 model.tie_embeddings=true sweep_name=mqar_init_gpt2\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=3e-3 seed=0 "
+        "model.init=pytorch model.tie_embeddings=false sweep_name=mqar_init_pytorch",
+        "outputs/sweeps/frontier/{alibi,rope}-L64-s0/eval outputs/sweeps/passkey/{alibi,rope}-L64-s0 "
+        "outputs/sweeps/init_pytorch outputs/sweeps/passkey_init_pytorch outputs/sweeps/mqar_init_*",
+    ),
     "attention-statistics": Study(
         "Attention statistics by length",
         "python -m posenc.train -m -cd sweeps -cn frontier  # then, for each of its runs named below:\n"
@@ -80,10 +102,10 @@ def keep_records(results: list[dict[str, Any]], records: Path) -> None:
     """Copy each run's records (never a checkpoint) into ``records/<run>/``, replacing what was there."""
     staging = records.with_name(records.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
+    names = _record_names(results)
     for run in results:
         source = Path(run_dir(run))
-        name = source.name if not run.get("failed") else Path(run["_source"]).parent.name
-        target = staging / name
+        target = staging / names[source]
         results_file = Path(run["_source"])
         if not run.get("failed"):
             relative = results_file.relative_to(source)
@@ -95,6 +117,22 @@ def keep_records(results: list[dict[str, Any]], records: Path) -> None:
                 shutil.copyfile(source / record, target / record)
     shutil.rmtree(records, ignore_errors=True)
     staging.rename(records) if staging.exists() else records.mkdir(parents=True, exist_ok=True)
+
+
+def _record_names(results: list[dict[str, Any]]) -> dict[Path, str]:
+    """{run directory: its folder among the kept records}.
+
+    The run's own name, or ``<sweep>--<run>`` where two runs of different sweeps share a name (a study that reads
+    the same scheme from two sweeps).
+    """
+    sources = {Path(run_dir(run)) for run in results}
+    counts: dict[str, int] = {}
+    for source in sources:
+        counts[source.name] = counts.get(source.name, 0) + 1
+    return {
+        source: source.name if counts[source.name] == 1 else f"{source.parent.name}--{source.name}"
+        for source in sources
+    }
 
 
 def _older_curve(run: dict[str, Any]) -> tuple[str, ...]:
