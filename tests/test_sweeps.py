@@ -352,3 +352,4 @@ def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_ra
     assert controlled.eval.sample == "long_documents" and list(controlled.eval.sliding_fractions) == [0.5]
     assert controlled.trainer.max_steps == 600 and list(controlled.eval.multiples) == [1, 2, 4, 8, 16, 32]
     assert offset.data.task == "mqar" and offset.data.task_options.kv_offset == "random"
+    assert offset.trainer.max_steps == 4500  # the offset task's pilot: nothing learned in 1,500

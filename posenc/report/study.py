@@ -82,11 +82,19 @@ STUDIES = {
         "python -m posenc.train -m -cd sweeps -cn passkey +encoding=alibi,rope model.init=pytorch "
         "model.tie_embeddings=false sweep_name=passkey_init_pytorch\n"
         "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=3e-3 seed=0 "
-        "model.init=gpt2 model.tie_embeddings=true sweep_name=mqar_init_gpt2\n"
+        "trainer.max_steps=1500 model.init=gpt2 model.tie_embeddings=true sweep_name=mqar_init_gpt2\n"
         "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=3e-3 seed=0 "
-        "model.init=pytorch model.tie_embeddings=false sweep_name=mqar_init_pytorch",
+        "trainer.max_steps=1500 model.init=pytorch model.tie_embeddings=false sweep_name=mqar_init_pytorch",
         "outputs/sweeps/frontier/{alibi,rope}-L64-s0/eval outputs/sweeps/passkey/{alibi,rope}-L64-s0 "
         "outputs/sweeps/init_pytorch outputs/sweeps/passkey_init_pytorch outputs/sweeps/mqar_init_*",
+    ),
+    "offset-pilot": Study(
+        "MQAR with the key–value block at a random offset: the budget it needs",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=1e-3,3e-3,1e-2 "
+        "seed=0 trainer.max_steps=1500 sweep_name=offset_pilot_lr\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=3e-3 seed=0 "
+        "trainer.max_steps=4500 sweep_name=offset_pilot_steps",
+        "outputs/sweeps/offset_pilot_lr outputs/sweeps/offset_pilot_steps",
     ),
     "attention-statistics": Study(
         "Attention statistics by length",

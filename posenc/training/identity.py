@@ -172,12 +172,11 @@ def columns(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             out[label] = group
             continue
         differing = [key for key in keys if len({repr(one[key]) for one, _ in identities.values()}) > 1]
-        # The column with most runs is named by its values of the differing keys; every other column only by
-        # what it changes from that one (``alibi · max_steps=40`` next to ``alibi · max_steps=30``).
-        base = max(identities.values(), key=lambda item: len(item[1]))[0]
+        # Every column is named by its values of all the differing keys (``alibi · max_steps=40`` next to
+        # ``alibi · max_steps=30``): a name by difference from one column would leave a reader to guess the rest
+        # where two settings vary (``fire · scheme_lr_multiplier=1`` under which initialisation?).
         for one, members in identities.values():
-            keys = differing if one is base else [key for key in differing if one[key] != base[key]]
-            keys = [key for key in keys if one[key] != UNSET] or keys
+            keys = [key for key in differing if one[key] != UNSET] or differing
             name = f"{label}{SEPARATOR}{_suffix(one, keys)}"
             while name in out:  # two identities that read the same once shortened
                 name += "′"
