@@ -96,6 +96,11 @@ STUDIES = {
         "trainer.max_steps=4500 sweep_name=offset_pilot_steps",
         "outputs/sweeps/offset_pilot_lr outputs/sweeps/offset_pilot_steps",
     ),
+    "controlled-passkey": Study(
+        "Passkey retrieval in the controlled comparison (one seed)",
+        "python -m posenc.train -m -cd sweeps -cn controlled_passkey",
+        "outputs/sweeps/controlled_passkey",
+    ),
     "attention-statistics": Study(
         "Attention statistics by length",
         "python -m posenc.train -m -cd sweeps -cn frontier  # then, for each of its runs named below:\n"
