@@ -74,9 +74,13 @@ def _run(backend: str, name: str, length: int, dtype: torch.dtype, seed: int = 0
     weights = torch.randn(2, HEADS, length, HEAD_DIM, device="cuda")
     x = torch.randn(2, length, HEADS * HEAD_DIM, device="cuda")  # the layer's input, for a scheme that reads it
     features = enc.token_features(x) if enc.reads_layer_input else None
-    out = get_backend(backend)(q, k, v, enc, pos, pos, features=features)
+    rotated_q, rotated_k = enc.rotate(q, k, pos, pos)  # as the backbone does: a scheme's query-side parameters too
+    out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos, features=features)
     (out.float() * weights).sum().backward()
-    return [out.float(), *(t.grad.float() for t in (q, k, v)), *(p.grad.float() for p in enc.parameters())]
+    missing = [name for name, p in enc.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, f"{backend}: no gradient reached {missing}"
+    params = [p.grad.float() for p in enc.parameters() if p.requires_grad]
+    return [out.float(), *(t.grad.float() for t in (q, k, v)), *params]
 
 
 @pytest.mark.parametrize("name", LEARNABLE_WITH_FORMS)

@@ -92,8 +92,10 @@ def compile_all(arch: int = H100, registers: bool = False) -> list[dict[str, Any
             options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
             for name, (kernel, pointers, extra) in _kernels(DTYPE_NAMES[dtype]).items():
                 constexprs = {**config, "HAS_BIAS": True, **extra}
+                # ``scale`` as fp64: Inductor types a Python float argument so on a device with fp64, and a kernel
+                # that let it promote its fp32 loop state failed there, never under Triton's own fp32 typing.
                 signature = {
-                    arg: "constexpr" if arg in constexprs else pointers.get(arg, "fp32" if arg == "scale" else "i32")
+                    arg: "constexpr" if arg in constexprs else pointers.get(arg, "fp64" if arg == "scale" else "i32")
                     for arg in kernel.arg_names
                 }
                 source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
