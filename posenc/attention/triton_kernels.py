@@ -88,7 +88,7 @@ def forward_kernel(
     PRECISION: tl.constexpr,
 ):
     """One query block of one (batch, head): O and lse (natural log) by the online softmax."""
-    scale = tl.cast(scale, tl.float32)  # compiled by Inductor, a Python float arrives as fp64 and would promote the loop
+    scale = tl.cast(scale, tl.float32)  # Inductor passes a Python float as fp64: it would promote the loop
     start_m = tl.program_id(0)
     batch_head = tl.program_id(1)
     b = batch_head // num_heads
@@ -218,7 +218,7 @@ def backward_dq_kernel(
 
     ``DOut`` and ``DQ`` share the strides ``stride_d*`` (both are laid out like the caller's contiguous dO).
     """
-    scale = tl.cast(scale, tl.float32)  # compiled by Inductor, a Python float arrives as fp64 and would promote the loop
+    scale = tl.cast(scale, tl.float32)  # Inductor passes a Python float as fp64: it would promote the loop
     start_m = tl.program_id(0)
     batch_head = tl.program_id(1)
     b = batch_head // num_heads
@@ -292,7 +292,7 @@ def backward_dkdv_kernel(
 
     ``DOut``, ``DK`` and ``DV`` share the strides ``stride_d*`` (all laid out like a contiguous (B, H, L, D)).
     """
-    scale = tl.cast(scale, tl.float32)  # compiled by Inductor, a Python float arrives as fp64 and would promote the loop
+    scale = tl.cast(scale, tl.float32)  # Inductor passes a Python float as fp64: it would promote the loop
     start_n = tl.program_id(0)
     batch_head = tl.program_id(1)
     b = batch_head // num_heads
