@@ -10,6 +10,7 @@ seeds), and marks a column whose parameters are still moving or have barely move
 from __future__ import annotations
 
 import csv
+import functools
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -105,6 +106,7 @@ def drift_tables(results: list[dict[str, Any]], appendix: Appendix | None = None
 
 
 CURVE_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)  # the steps at which the curve table reads each run's change
+CSV_LOG = "csv/metrics.csv"  # where a run's CSV logger writes; older runs logged their drift curve only there
 
 
 def drift_curve(run: dict[str, Any]) -> list[list[float]]:
@@ -118,16 +120,18 @@ def drift_curve(run: dict[str, Any]) -> list[list[float]]:
         return record["curve"]
     if not record or not run.get("_source"):
         return []
-    metrics = Path(run_dir(run)) / CSV_LOG
+    return [list(point) for point in _csv_curve(str(Path(run_dir(run)) / CSV_LOG))]
+
+
+@functools.lru_cache(maxsize=256)
+def _csv_curve(metrics: str) -> tuple[tuple[int, float], ...]:
+    """One CSV log's curve, read once a process: the table and the figure both ask for it."""
     try:
-        with metrics.open(newline="") as handle:
+        with open(metrics, newline="") as handle:
             rows = [row for row in csv.DictReader(handle) if row.get("drift/max")]
-        return [[int(row["step"]) + 1, float(row["drift/max"])] for row in rows]
+        return tuple((int(row["step"]) + 1, float(row["drift/max"])) for row in rows)
     except (OSError, ValueError, KeyError):
-        return []
-
-
-CSV_LOG = "csv/metrics.csv"
+        return ()
 
 
 def _at(curve: list[list[float]], step: float) -> float | None:
@@ -191,11 +195,8 @@ def _curve_figure(lines: dict[str, tuple[list[int], list[float], int]], train_le
     by_scheme: dict[str, list[str]] = defaultdict(list)
     for label in lines:
         by_scheme[label.split(" · ")[0]].append(label)
-    panels = len(by_scheme)
-    width = min(panels, 3)
-    rows = math.ceil(panels / width)
-    fig, axes = plt.subplots(rows, width, figsize=(4.6 * width, 3.6 * rows), squeeze=False)
-    for ax, (scheme, labels) in zip(axes.flat, by_scheme.items(), strict=False):
+    fig, axes = _panels(plt, len(by_scheme), (4.6, 3.6))
+    for ax, (scheme, labels) in zip(axes, by_scheme.items(), strict=False):
         colours = plt.cm.viridis([i / max(len(labels) - 1, 1) * 0.9 for i in range(len(labels))])
         for colour, label in zip(colours, labels, strict=True):
             steps, mean, seeds = lines[label]
@@ -208,11 +209,20 @@ def _curve_figure(lines: dict[str, tuple[list[int], list[float], int]], train_le
         ax.set_xlabel("optimizer step", fontsize=8)
         ax.set_ylabel("largest relative change since the start", fontsize=8)
         ax.legend(fontsize=6, loc="lower right")
-    for ax in list(axes.flat)[panels:]:
-        ax.set_visible(False)
     fig.suptitle(f"Positional parameters by step, trained at L={train_len} (seeds' mean; dotted: 'barely moved')")
     fig.tight_layout()
     return _save(fig, plt, path)
+
+
+def _panels(plt: Any, count: int, size: tuple[float, float]) -> tuple[Any, list[Any]]:
+    """A grid of ``count`` panels, three to a row, the unused cells of its last row hidden."""
+    width = min(count, 3)
+    rows = math.ceil(count / width)
+    fig, grid = plt.subplots(rows, width, figsize=(size[0] * width, size[1] * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    return fig, axes[:count]
 
 
 def _save(fig: Any, plt: Any, path: Path) -> Path:
@@ -279,11 +289,8 @@ def learned_bias_plots(results: list[dict[str, Any]], out_dir: Path) -> list[Pat
 def _bias_figure(curves: dict[str, dict[str, Any]], train_len: int, path: Path) -> Path:
     from posenc.evaluate.plots import plt  # matplotlib (Agg) only when plotting
 
-    panels = len(curves)
-    width = min(panels, 3)
-    rows = math.ceil(panels / width)
-    fig, axes = plt.subplots(rows, width, figsize=(4.2 * width, 3.2 * rows), squeeze=False)
-    for ax, (label, curve) in zip(axes.flat, curves.items(), strict=False):
+    fig, axes = _panels(plt, len(curves), (4.2, 3.2))
+    for ax, (label, curve) in zip(axes, curves.items(), strict=False):
         for head, values in enumerate(curve["by_head"]):
             ax.plot(curve["distances"], values, linewidth=1, label=f"head {head}")
         ax.axvline(train_len, color="grey", linestyle="--", linewidth=1)
@@ -292,9 +299,7 @@ def _bias_figure(curves: dict[str, dict[str, Any]], train_len: int, path: Path) 
         ax.grid(alpha=0.3)
         ax.set_xlabel("query–key distance (tokens)", fontsize=8)
         ax.set_ylabel("bias added to the score", fontsize=8)
-    for ax in list(axes.flat)[panels:]:
-        ax.set_visible(False)
-    axes.flat[0].legend(fontsize=6)
+    axes[0].legend(fontsize=6)
     fig.suptitle(f"First-layer bias by distance, per head (lowest seed; dashed: training length {train_len})")
     fig.tight_layout()
     return _save(fig, plt, path)
