@@ -85,6 +85,26 @@ def test_bench_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFi
     assert all("forward_ms" in r for r in saved["long_context"])
 
 
+def test_a_profiled_train_step_says_where_its_time_went(tmp_path: Path) -> None:
+    cfg = _compose("attention.lengths=[]", "long_context.length=null", "train_step.profile_schemes=[t5]")
+    results = run(cfg, tmp_path)
+    step = {r["scheme"]: r for r in results["train_step"]}
+    assert "profile" not in step["alibi"]  # only the schemes named
+    prof = step["t5"]["profile"]
+    assert prof["clock"] == "cpu" and prof["steps"] == cfg.train_step.profile_steps
+    top = prof["top"]
+    assert 0 < len(top) <= cfg.train_step.profile_rows
+    # Heaviest first, each a share of the operators' own time, which the rows cannot exceed together.
+    assert [e["ms_per_step"] for e in top] == sorted((e["ms_per_step"] for e in top), reverse=True)
+    assert 0 < sum(e["share"] for e in top) <= 1 + 1e-9 and prof["busy_ms_per_step"] > 0
+    assert any(e["name"].startswith("aten::") for e in top)  # the step's own operators, not the profiler's
+    text = (tmp_path / "profile_t5.txt").read_text()  # the full table beside the summary
+    assert "Self CPU" in text and "aten::" in text
+    assert "text" not in json.loads((tmp_path / "bench.json").read_text())["train_step"][2]["profile"]
+    shown = (tmp_path / "bench.md").read_text()
+    assert "#### Profile of the train step: t5 (3 steps, cpu time)" in shown and f"`{top[0]['name']}`" in shown
+
+
 def test_bench_reports_a_failure_as_a_result(tmp_path: Path) -> None:
     # flex has no CPU backward: its forward is timed, its training is recorded as refused, not as a number; a
     # train step through it fails the same way, and the run goes on to the next scheme.

@@ -45,6 +45,7 @@ from posenc.bench.attention import (
     resolve_dtype,
 )
 from posenc.bench.compare import compare_cases, compare_markdown
+from posenc.bench.profile import profile_markdown, profile_step
 from posenc.config import CONF_DIR, to_container
 from posenc.encodings import build, scheme_class, stack_members
 from posenc.jsonio import write_json, write_text
@@ -128,6 +129,8 @@ def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
 
             row["step_ms"] = median_ms(step, device, cfg.warmup, cfg.repeats, cfg.case_budget_s)
             row["tokens_per_s"] = step_cfg.batch_size * step_cfg.seq_len / row["step_ms"] * 1e3
+            if scheme in step_cfg.profile_schemes:
+                row["profile"] = profile_step(step, device, step_cfg.profile_steps, step_cfg.profile_rows)
         except Exception as err:  # reported in the table
             row["error"] = failure(err)
         nope = rows[0].get("tokens_per_s") if rows else row.get("tokens_per_s")
@@ -272,6 +275,9 @@ def markdown(results: dict[str, Any]) -> str:
             step = _failed(row["error"], notes) if "error" in row else _cell(row["step_ms"], 1)
             cells = [row["scheme"], step, _cell(row.get("tokens_per_s"), 0), _cell(row.get("x_nope"))]
             lines.append("| " + " | ".join(cells) + " |")
+        for row in results["train_step"]:
+            if "profile" in row:
+                lines += profile_markdown(row)
     if results["long_context"]:
         lines += ["", f"### Long context: batch-1 forward, L = {results['long_context'][0]['length']}", ""]
         lines += ["| scheme | backend | forward ms | peak MiB |", "|---|---|---|---|"]
@@ -303,6 +309,9 @@ def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         "compare": compare_cases(cfg.compare, device) if cfg.compare.schemes else [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+    for row in results["train_step"]:
+        if "profile" in row:  # the profiler's full table beside the summary the markdown shows
+            write_text(out_dir / f"profile_{row['scheme']}.txt", row["profile"].pop("text") + "\n")
     write_json(out_dir / "bench.json", results)
     write_text(out_dir / "bench.md", markdown(results))
     return results

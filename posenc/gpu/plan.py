@@ -39,6 +39,7 @@ COMPILE_S = 15.0  # planning figure: one compiled graph on the GPU machine (Flex
 START_S = 20.0  # a process importing torch, Lightning and Hydra
 VERSIONS_S = 10.0  # the first step: which device and versions the session runs on
 CASE_S = 5.0  # one timed benchmark case (conf/bench.yaml's case_budget_s, set to this in a session)
+PROFILE_S = 3.0  # the same train step, three more calls under torch.profiler, and its table
 # A learnable bias trained through plain ``flex`` adds into its parameters atomically per score: seconds per call,
 # and the benchmark still makes its warm-up and three timed calls (docs/benchmarks.md).
 ATOMIC_CASE_S = 20.0
@@ -155,8 +156,13 @@ def bench_graphs(length: int | None, train_step: bool) -> tuple[int, float]:
         seconds += cases * CASE_S + (len(learnable) * (ATOMIC_CASE_S - CASE_S) if "flex" in backends else 0)
     if train_step:
         graphs += len(dict.fromkeys(["nope", *bench.train_step.schemes]))
-        seconds += (len(bench.train_step.schemes) + 1) * CASE_S
+        seconds += (len(bench.train_step.schemes) + 1) * (CASE_S + PROFILE_S)
     return graphs, seconds
+
+
+def profiled(schemes: list[str]) -> str:
+    """The bench override that profiles each timed train step (what a slow one spends its time on)."""
+    return "train_step.profile_schemes=[" + ",".join(dict.fromkeys(["nope", *schemes])) + "]"
 
 
 def _speed(options: Options) -> list[Step]:
@@ -167,7 +173,12 @@ def _speed(options: Options) -> list[Step]:
         bench += ["train_step.seq_len=32", "train_step.batch_size=2", "warmup=1", "repeats=2"]
     if options.part == "train-step":
         graphs, timing = bench_graphs(None, True)
-        argv = [*bench, "attention.lengths=[]", f"hydra.run.dir={work / 'train-step'}"]
+        from omegaconf import OmegaConf
+
+        from posenc.config import CONF_DIR
+
+        schemes = list(OmegaConf.load(CONF_DIR / "bench.yaml").train_step.schemes)
+        argv = [*bench, "attention.lengths=[]", profiled(schemes), f"hydra.run.dir={work / 'train-step'}"]
         name = "bench-train-step"
     else:
         graphs, timing = bench_graphs(length, False)

@@ -56,7 +56,17 @@ STUDIES = {
         "python -m posenc.train -m -cd sweeps -cn frontier",
         "outputs/sweeps/frontier",
     ),
-    "recall": Study("Associative recall by length", "python -m posenc.train -m -cd sweeps -cn retrieval"),
+    "recall": Study(
+        "Associative recall by length",
+        "python -m posenc.train -m -cd sweeps -cn retrieval  # 6 schemes x 3 rates x 5 seeds; on 2 cores, as two "
+        "halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,rope,xpos & OMP_NUM_THREADS=1 ... +encoding=nope,kerple_log,t5\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval +encoding=alibi,nope,kerple_log optim.lr=3e-3 "
+        "trainer.max_steps=3000 sweep_name=mqar_3000  # the three still rising at 1,500 steps, trained twice as long\n"
+        "python -m posenc.train -m +encoding=rope data=multikey,vartrack trainer.max_steps=2000 model.init=pytorch "
+        "model.tie_embeddings=false sweep_name=ruler  # two RULER tasks, one seed",
+        "outputs/sweeps/mqar outputs/sweeps/mqar_3000 outputs/sweeps/ruler",
+    ),
     "passkey": Study("Passkey retrieval", "python -m posenc.train -m -cd sweeps -cn passkey", "outputs/sweeps/passkey"),
     "rope-scaling": Study(
         "RoPE scaled at evaluation (PI, NTK, YaRN)",
