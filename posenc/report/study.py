@@ -60,12 +60,20 @@ STUDIES = {
         "Associative recall by length",
         "python -m posenc.train -m -cd sweeps -cn retrieval  # 6 schemes x 3 rates x 5 seeds; on 2 cores, as two "
         "halves side by side:\n"
-        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,rope,xpos & OMP_NUM_THREADS=1 ... +encoding=nope,kerple_log,t5\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,rope,xpos & OMP_NUM_THREADS=1 ... +encoding=nope,kerple_log,t5",
+        "outputs/sweeps/mqar",
+    ),
+    "recall-3000": Study(
+        "Associative recall: the three schemes still rising at 1,500 steps, trained for 3,000",
         "python -m posenc.train -m -cd sweeps -cn retrieval +encoding=alibi,nope,kerple_log optim.lr=3e-3 "
-        "trainer.max_steps=3000 sweep_name=mqar_3000  # the three still rising at 1,500 steps, trained twice as long\n"
+        "trainer.max_steps=3000 sweep_name=mqar_3000",
+        "outputs/sweeps/mqar_3000",
+    ),
+    "ruler-tasks": Study(
+        "Two RULER tasks, multikey and variable tracking (one seed)",
         "python -m posenc.train -m +encoding=rope data=multikey,vartrack trainer.max_steps=2000 model.init=pytorch "
-        "model.tie_embeddings=false sweep_name=ruler  # two RULER tasks, one seed",
-        "outputs/sweeps/mqar outputs/sweeps/mqar_3000 outputs/sweeps/ruler",
+        "model.tie_embeddings=false sweep_name=ruler",
+        "outputs/sweeps/ruler",
     ),
     "passkey": Study("Passkey retrieval", "python -m posenc.train -m -cd sweeps -cn passkey", "outputs/sweeps/passkey"),
     "rope-scaling": Study(
