@@ -125,8 +125,10 @@ def _proof(options: Options) -> list[Step]:
     ]
 
 
-def bench_graphs(length: int | None, train_step: bool) -> tuple[int, float]:
-    """(compiled graphs, seconds of timing) of ``posenc.bench`` with conf/bench.yaml's schemes and backends.
+def bench_graphs(length: int | None, train_step: bool) -> tuple[int, float, list[str]]:
+    """(compiled graphs, seconds of timing, train-step schemes) of ``posenc.bench`` with conf/bench.yaml.
+
+    The schemes come back with the count so that the plan reads conf/bench.yaml once.
 
     A FlexAttention graph is one per distinct score_mod, forward and training apart: NoPE, RoPE and xPos share the
     graph without a score_mod (their rotation runs before it), so it is counted once with the references.
@@ -139,7 +141,7 @@ def bench_graphs(length: int | None, train_step: bool) -> tuple[int, float]:
     from posenc.encodings import build as build_scheme
 
     bench = OmegaConf.load(CONF_DIR / "bench.yaml")
-    graphs, seconds = 0, 0.0
+    graphs, seconds, step_schemes = 0, 0.0, []
     if length:
         backends = list(bench.attention.backends)
         schemes = [build_scheme(s, num_heads=2, head_dim=8) for s in bench.attention.schemes]
@@ -155,9 +157,10 @@ def bench_graphs(length: int | None, train_step: bool) -> tuple[int, float]:
         cases = len(schemes) * len(timed) + (len(learnable) if "flex_learnable" in backends else 0) + 4
         seconds += cases * CASE_S + (len(learnable) * (ATOMIC_CASE_S - CASE_S) if "flex" in backends else 0)
     if train_step:
-        graphs += len(dict.fromkeys(["nope", *bench.train_step.schemes]))
-        seconds += (len(bench.train_step.schemes) + 1) * (CASE_S + PROFILE_S)
-    return graphs, seconds
+        step_schemes = list(bench.train_step.schemes)
+        graphs += len(dict.fromkeys(["nope", *step_schemes]))
+        seconds += (len(step_schemes) + 1) * (CASE_S + PROFILE_S)
+    return graphs, seconds, step_schemes
 
 
 def profiled(schemes: list[str]) -> str:
@@ -172,16 +175,11 @@ def _speed(options: Options) -> list[Step]:
         bench += ["device=cpu", "model=tiny", "attention.heads=2", "attention.head_dim=16", "attention.tokens=256"]
         bench += ["train_step.seq_len=32", "train_step.batch_size=2", "warmup=1", "repeats=2"]
     if options.part == "train-step":
-        graphs, timing = bench_graphs(None, True)
-        from omegaconf import OmegaConf
-
-        from posenc.config import CONF_DIR
-
-        schemes = list(OmegaConf.load(CONF_DIR / "bench.yaml").train_step.schemes)
+        graphs, timing, schemes = bench_graphs(None, True)
         argv = [*bench, "attention.lengths=[]", profiled(schemes), f"hydra.run.dir={work / 'train-step'}"]
         name = "bench-train-step"
     else:
-        graphs, timing = bench_graphs(length, False)
+        graphs, timing, _ = bench_graphs(length, False)
         argv = [*bench, f"attention.lengths=[{length}]", "train_step.schemes=[]", f"hydra.run.dir={work / 'attention'}"]
         name = f"bench-attention-{length}"
     planned = START_S + graphs * COMPILE_S + timing
