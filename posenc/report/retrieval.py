@@ -246,7 +246,11 @@ def retrieval_tables(results: list[dict[str, Any]], appendix: Appendix | None = 
             title = f"{task} accuracy, trained at L={train_len}"
             head = table_head(by_label, labels, title=title, appendix=appendix)
             out += [f"## {title}", "", *sweep_table(task, train_len, all_columns, chosen)]
-            first = "held-out windows of the training format (the one generator), " if task == "mqar" else ""
+            first = (
+                "held-out windows of the training format (the one generator), "
+                if task == "mqar"
+                else "the task's evaluation windows at the training length, "
+            )
             out += [
                 f"Exact match by window length; the {train_len} row is scored on {first}the longer ones are the "
                 f"length-extrapolation windows{chance_note(by_label, task, 'accuracy')}. {ACCURACY_LEGEND}",
