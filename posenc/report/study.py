@@ -51,6 +51,13 @@ STUDIES = {
         "Reproduction: which scheme extrapolates",
         "python -m posenc.train -m -cd sweeps -cn repro",
     ),
+    "controlled": Study(
+        "The controlled comparison: six schemes, five seeds, both protocols, positional parameters that learned",
+        "python -m posenc.train -m -cd sweeps -cn controlled  # 6 schemes x 5 seeds; on 2 cores, as two single-"
+        "threaded halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,nope,fire & OMP_NUM_THREADS=1 ... +encoding=rope,t5,kerple_log",
+        "outputs/sweeps/controlled",
+    ),
     "frontier": Study(
         "The 2024–2025 frontier on the reproduction's backbone (one seed)",
         "python -m posenc.train -m -cd sweeps -cn frontier",
