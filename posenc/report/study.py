@@ -76,6 +76,13 @@ STUDIES = {
         "trainer.max_steps=3000 sweep_name=mqar_3000",
         "outputs/sweeps/mqar_3000",
     ),
+    "recall-offset": Study(
+        "Associative recall with the key–value block at a random offset: distance apart from position",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset  # 6 schemes x 3 rates x 5 seeds; in parts, the "
+        "rate every scheme took in the recall study first:\n"
+        "#   python -m posenc.train -m -cd sweeps -cn retrieval_offset optim.lr=3e-3",
+        "outputs/sweeps/mqar_offset",
+    ),
     "ruler-tasks": Study(
         "Two RULER tasks, multikey and variable tracking (one seed)",
         "python -m posenc.train -m +encoding=rope data=multikey,vartrack trainer.max_steps=2000 model.init=pytorch "
