@@ -58,6 +58,12 @@ STUDIES = {
         "#   OMP_NUM_THREADS=1 ... +encoding=alibi,nope,fire & OMP_NUM_THREADS=1 ... +encoding=rope,t5,kerple_log",
         "outputs/sweeps/controlled",
     ),
+    "controlled-1200": Study(
+        "The controlled comparison's learnable schemes at twice the steps: do FIRE and KERPLE-log settle?",
+        "python -m posenc.train -m -cd sweeps -cn controlled +encoding=fire,kerple_log trainer.max_steps=1200 "
+        "sweep_name=controlled_1200  # read beside the same schemes' 600-step runs of sweeps/controlled",
+        "outputs/sweeps/controlled_1200 outputs/sweeps/controlled/{fire,kerple_log}-L64-s*",
+    ),
     "frontier": Study(
         "The 2024–2025 frontier on the reproduction's backbone (one seed)",
         "python -m posenc.train -m -cd sweeps -cn frontier",
