@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from posenc.bench import compare as bench_compare
 from posenc.bench.attention import attention_call, fastest, reference_backends
-from posenc.bench.run import markdown, run
+from posenc.bench.run import interleaved_steps_ms, markdown, run
 from posenc.config import CONF_DIR
 from posenc.encodings import build
 
@@ -251,3 +252,35 @@ def test_the_fastest_reference_is_chosen_per_mode_among_those_that_ran() -> None
         "flex",
     ]
     assert reference_backends(["sdpa"], torch.device("cuda")) == ["sdpa"]
+
+
+def test_train_steps_are_timed_in_turns_and_a_failing_step_leaves_the_rotation() -> None:
+    calls: list[str] = []
+
+    def step(name: str) -> Callable[[], None]:
+        def call() -> None:
+            calls.append(name)
+            if name == "b" and calls.count("b") == 3:
+                raise RuntimeError("out of memory")
+
+        return call
+
+    rows: list[dict] = [{"scheme": name} for name in "abc"]
+    steps = {index: step(name) for index, name in enumerate("abc")}
+    times = interleaved_steps_ms(steps, rows, torch.device("cpu"), warmup=1, repeats=4, budget_s=60.0)
+    # One call of each per repetition, in the same order: a change of load falls on every scheme alike.
+    assert calls == ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a", "c", "a", "c"]
+    assert sorted(times) == [0, 2] and len(times[0]) == len(times[2]) == 4
+    assert rows[1]["error"].startswith("RuntimeError: out of memory") and "error" not in rows[0]
+
+
+def test_the_train_step_reads_encoding_configs_and_names_them_as_runs_do(tmp_path: Path) -> None:
+    cfg = _compose("attention.lengths=[]", "long_context.length=null", "train_step.schemes=[rnope,rope_alibi,alibi]")
+    rows = {row["scheme"]: row for row in run(cfg, tmp_path)["train_step"]}
+    assert {scheme: row["label"] for scheme, row in rows.items()} == {
+        "rnope": "rope×3,nope",
+        "rope_alibi": "rope+alibi",
+        "alibi": "alibi",
+    }
+    assert all(row["repeats"] == cfg.repeats and row["x_nope"] > 0 and row["parameters"] > 0 for row in rows.values())
+    assert "timed in turn" in (tmp_path / "bench.md").read_text()

@@ -13,8 +13,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
+from posenc.report.benchcost import find_bench
 from posenc.report.collect import find_results
-from posenc.report.cost import conditions_note, cost_plots
+from posenc.report.cost import conditions_note, cost_plots, cost_points, cost_table
 from posenc.report.perplexity import group_runs
 
 # Sixteen schemes, most of them within 1% of ratio 1 and of NoPE's throughput: where names written beside the
@@ -92,3 +93,46 @@ def test_runs_under_the_same_conditions_draw_no_note(tmp_path: Path) -> None:
     threads = {"device": "cpu × 2", "threads": 1, "load_per_core": 0.9, "load_samples": 10}
     note = conditions_note(_sweep(tmp_path / "other", {"nope": threads}))
     assert note is not None and "threads: " in note
+
+
+def _bench(folder: Path, x_nope: dict[str, float]) -> Path:
+    """A benchmark's record: one train step per column timed in turn, as ``python -m posenc.bench`` writes it."""
+    rows = [
+        {"scheme": label, "label": label, "seq_len": 32, "batch": 4, "parameters": 1000 + i, "repeats": 5,
+         "step_ms": 10.0 / x, "tokens_per_s": 128 * x * 100, "x_nope": x}
+        for i, (label, x) in enumerate(x_nope.items())
+    ]  # fmt: skip
+    environment = {"device": "cpu: a test CPU", "threads": 1, "torch": "2.13.0+cpu", "date": "2026-11-27 07:00 UTC"}
+    folder.mkdir(parents=True)
+    (folder / "bench.json").write_text(json.dumps({"environment": environment, "train_step": rows}))
+    return folder
+
+
+def test_a_side_by_side_benchmark_gives_the_cost_axis_and_no_conditions_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    busy = {"device": "cpu × 2", "threads": 2, "load_per_core": 1.9, "load_samples": 10}
+    by_label = _sweep(tmp_path / "runs", {"scheme03": busy})
+    measured = {label: 1.0 if label == "nope" else 0.5 + 0.01 * i for i, label in enumerate(CROWDED)}
+    bench = find_bench([_bench(tmp_path / "bench", measured)])
+    points, against = cost_points(by_label, bench)
+    assert {p["label"]: p["throughput"] for p in points} == pytest.approx(measured)  # not the runs' own logs
+    assert against.startswith("NoPE, one train step of each timed in turn")
+    kept = {}
+    monkeypatch.setattr(plt, "close", lambda fig: kept.setdefault("fig", fig))
+    cost_plots({(32, "nonoverlap", None): by_label}, tmp_path / "out", bench)
+    assert not any("conditions that differ" in text.get_text() for text in kept["fig"].texts)
+    # Beside it, the runs' own throughput and load, so the table shows how far a busy run's log was off.
+    table = cost_table(by_label, bench).splitlines()
+    row = next(line for line in table if line.startswith("| scheme03 |"))
+    assert row.split(" | ")[3] == f"{measured['scheme03']:.2f}" and row.endswith("| 1.90 |")
+    assert "1 thread(s), torch 2.13.0+cpu" in "\n".join(table)
+
+
+def test_a_benchmark_missing_a_column_leaves_the_axis_to_the_runs_logs(tmp_path: Path) -> None:
+    by_label = _sweep(tmp_path / "runs")
+    bench = find_bench([_bench(tmp_path / "bench", {"nope": 1.0, "scheme01": 0.5})])
+    points, against = cost_points(by_label, bench)
+    assert against == "NoPE"  # mixing a benchmark's ratios with logged ones would compare unlike with unlike
+    assert {p["label"]: p["throughput"] for p in points}["scheme01"] == pytest.approx(997.0 / 1000.0)
+    assert find_bench([tmp_path / "runs"]) == []

@@ -114,3 +114,31 @@ def test_runs_of_one_name_from_two_sweeps_keep_records_of_their_own(tmp_path: Pa
     keep_records(find_results([tmp_path / "gpt2_init", tmp_path / "pytorch_init"]), records)
     kept = {path.parent.parent.name: json.loads(path.read_text())["ppl"] for path in records.rglob("results.json")}
     assert kept == {"gpt2_init--alibi-L64-s0": 6.0, "pytorch_init--alibi-L64-s0": 5.0}
+
+
+def test_the_cost_study_keeps_the_benchmark_beside_the_runs_and_regenerates_from_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sweep = _sweep(Path("outputs/sweeps/repro"))
+    rows = [
+        {"scheme": label, "label": label, "seq_len": 32, "batch": 4, "parameters": 100, "repeats": 3,
+         "step_ms": ms, "tokens_per_s": 128e3 / ms, "x_nope": 10.0 / ms}
+        for label, ms in (("nope", 10.0), ("alibi", 12.5))
+    ]  # fmt: skip
+    bench = Path("outputs/bench/cost")
+    bench.mkdir(parents=True)
+    (bench / "bench.json").write_text(json.dumps({"environment": {"device": "cpu: test"}, "train_step": rows}))
+    out = Path("docs/results/cost.md")
+    out.parent.mkdir(parents=True)
+    first = write_study("cost", [str(sweep), str(bench)], out, make_plots=False)
+    block = generated_block(first)
+    assert "## Training cost, measured side by side" in block
+    assert "| alibi | 100 | 12.5 | 0.80 | 900 | 0.90 | 0.90 |" in block  # side by side, then the runs' logs
+    assert "python -m posenc.bench model=tiny train_step.seq_len=64" in first
+    assert "| 32 | 1 |" not in block  # the cost study leaves the perplexity tables to the reproduction
+    kept = Path("docs/results/cost/runs/bench-0/bench.json")
+    assert json.loads(kept.read_text())["train_step"] == rows
+    shutil.rmtree("outputs")
+    again = write_study("cost", ["docs/results/cost/runs"], out, make_plots=False)
+    assert generated_block(again) == block

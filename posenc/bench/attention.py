@@ -76,19 +76,23 @@ def median_ms(
     for _ in range(repeats):
         if len(times) >= 3 and sum(times) > budget_s * 1e3:
             break
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - started) * 1e3)
+        times.append(timed_ms(fn, device))
     return statistics.median(times)
+
+
+def timed_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """One call of ``fn`` in ms: between CUDA events on a GPU (the queue drained before and after), else wall time."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1e3
 
 
 def peak_mib(fn: Callable[[], Any], device: torch.device) -> float | None:

@@ -23,13 +23,15 @@ import contextlib
 import datetime
 import os
 import platform
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from posenc.attention.auto import choose
 from posenc.attention.flex_learnable import supports
@@ -43,13 +45,14 @@ from posenc.bench.attention import (
     reference_backends,
     resolve_device,
     resolve_dtype,
+    timed_ms,
 )
 from posenc.bench.compare import compare_cases, compare_markdown
 from posenc.bench.profile import profile_markdown, profile_step
-from posenc.config import CONF_DIR, to_container
+from posenc.config import CONF_DIR, encoding_choices, to_container
 from posenc.encodings import build, scheme_class, stack_members
 from posenc.jsonio import write_json, write_text
-from posenc.model import Decoder
+from posenc.model import Decoder, encoding_label
 from posenc.training.compiling import compile_blocks, should_compile
 
 
@@ -99,7 +102,13 @@ def reference_line(length: int, best: dict[str, dict | None]) -> str:
 
 
 def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
-    """Whole-model train steps per scheme (tokens/s), each as a ratio to NoPE measured in the same run."""
+    """Whole-model train steps per scheme (tokens/s), each as a ratio to NoPE's, the steps timed in turns.
+
+    Every scheme's model is built first; then each repetition times one step of every scheme in turn, so that a
+    change in the machine's load (another job on a shared CPU, a GPU's clock) falls on every scheme alike rather
+    than on whichever ran at that moment. A scheme is an encoding config (``conf/encoding/<name>.yaml``, options
+    included, named as a training run names it) or a scheme string (``alibi``, ``rope+alibi``).
+    """
     step_cfg = cfg.train_step
     model_cfg = to_container(cfg.model)
     autocast = (
@@ -109,14 +118,22 @@ def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
     )
     compiled = should_compile(step_cfg.compile, "cuda" if device.type == "cuda" else "cpu")
     tokens = torch.randint(0, step_cfg.vocab_size, (step_cfg.batch_size, step_cfg.seq_len + 1), device=device)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    steps: dict[int, Callable[[], None]] = {}
     for scheme in dict.fromkeys(["nope", *step_cfg.schemes]):
-        row: dict[str, Any] = {"scheme": scheme, "seq_len": step_cfg.seq_len, "batch": step_cfg.batch_size}
+        spec = encoding_spec(scheme)
+        row: dict[str, Any] = {
+            "scheme": scheme,
+            "label": encoding_label(spec),
+            "seq_len": step_cfg.seq_len,
+            "batch": step_cfg.batch_size,
+        }
         try:
-            model = Decoder(scheme, vocab_size=step_cfg.vocab_size, attention=step_cfg.attention, **model_cfg)
+            model = Decoder(spec, vocab_size=step_cfg.vocab_size, attention=step_cfg.attention, **model_cfg)
             model = model.to(device)
             if compiled:
                 compile_blocks(model)
+            row["parameters"] = sum(p.numel() for p in model.parameters())
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
             def step(model: Decoder = model, optimizer: torch.optim.Optimizer = optimizer) -> None:
@@ -127,18 +144,66 @@ def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
                 optimizer.zero_grad(set_to_none=True)
                 model.constrain_()
 
-            row["step_ms"] = median_ms(step, device, cfg.warmup, cfg.repeats, cfg.case_budget_s)
-            row["tokens_per_s"] = step_cfg.batch_size * step_cfg.seq_len / row["step_ms"] * 1e3
-            if scheme in step_cfg.profile_schemes:
-                row["profile"] = profile_step(step, device, step_cfg.profile_steps, step_cfg.profile_rows)
+            steps[len(rows)] = step
         except Exception as err:  # reported in the table
             row["error"] = failure(err)
-        nope = rows[0].get("tokens_per_s") if rows else row.get("tokens_per_s")
+        rows.append(row)
+    times = interleaved_steps_ms(steps, rows, device, cfg.warmup, cfg.repeats, cfg.case_budget_s)
+    for index, samples in times.items():
+        rows[index]["step_ms"] = statistics.median(samples)
+        rows[index]["repeats"] = len(samples)
+        rows[index]["tokens_per_s"] = step_cfg.batch_size * step_cfg.seq_len / rows[index]["step_ms"] * 1e3
+    nope = rows[0].get("tokens_per_s")
+    for index, row in enumerate(rows):
         if nope and "tokens_per_s" in row:
             row["x_nope"] = row["tokens_per_s"] / nope
-        rows.append(row)
+        if index in steps and row["scheme"] in step_cfg.profile_schemes and "error" not in row:
+            row["profile"] = profile_step(steps[index], device, step_cfg.profile_steps, step_cfg.profile_rows)
         print(case_line(row), flush=True)
     return [row for row in rows if row["scheme"] in step_cfg.schemes]
+
+
+def interleaved_steps_ms(
+    steps: dict[int, Callable[[], None]],
+    rows: list[dict[str, Any]],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    budget_s: float,
+) -> dict[int, list[float]]:
+    """Each step's timed calls in ms, every repetition one call of each step in turn.
+
+    Repetitions stop early, after at least three, once the slowest step has spent ``budget_s``. A step that fails
+    (out of memory at one size) leaves the rotation with its error in its row; the others go on.
+    """
+    times: dict[int, list[float]] = {index: [] for index in steps}
+
+    def call(index: int, timed: bool) -> None:
+        try:
+            if timed:
+                times[index].append(timed_ms(steps[index], device))
+            else:
+                steps[index]()
+        except Exception as err:
+            rows[index]["error"] = failure(err)
+            del steps[index], times[index]
+
+    for _ in range(warmup):
+        for index in list(steps):
+            call(index, timed=False)
+    for repeat in range(repeats):
+        if repeat >= 3 and times and max(sum(samples) for samples in times.values()) > budget_s * 1e3:
+            break
+        for index in list(steps):
+            call(index, timed=True)
+    return times
+
+
+def encoding_spec(name: str) -> Any:
+    """The encoding config ``conf/encoding/<name>.yaml`` as a training run reads it, or ``name`` as a scheme."""
+    if name in encoding_choices():
+        return to_container(OmegaConf.load(CONF_DIR / "encoding" / f"{name}.yaml"))
+    return name
 
 
 def is_relative(scheme: str) -> bool:
@@ -270,6 +335,10 @@ def markdown(results: dict[str, Any]) -> str:
     if results["train_step"]:
         first = results["train_step"][0]
         lines += ["", f"### Whole-model train step (L = {first['seq_len']}, batch {first['batch']})", ""]
+        repeats = sorted({row["repeats"] for row in results["train_step"] if "repeats" in row})
+        if repeats:
+            counts = "–".join(dict.fromkeys(map(str, (repeats[0], repeats[-1]))))
+            lines += [f"One step of every scheme timed in turn, {counts} times; the median of each.", ""]
         lines += ["| scheme | step ms | tokens/s | ×NoPE tokens/s |", "|---|---|---|---|"]
         for row in results["train_step"]:
             step = _failed(row["error"], notes) if "error" in row else _cell(row["step_ms"], 1)

@@ -9,6 +9,7 @@ are removed first, and unfinished ones unless the report was asked to include th
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from posenc.jsonio import DiskFullError, write_text
 from posenc.report.attention import attention_tables
 from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
-from posenc.report.cost import cost_plots_of, log_cost_scatter
+from posenc.report.cost import cost_plots_of, cost_section, log_cost_scatter
 from posenc.report.drift import drift_curve_plots, drift_tables, learned_bias_plots
 from posenc.report.effective import effective_tables
 from posenc.report.finetuned import finetuned_tables
@@ -83,6 +84,8 @@ def build_report(
     write: bool = True,
     left_out: list[str] | None = None,
     references: Sequence[str] = DEFAULT_REFERENCES,
+    bench: list[dict[str, Any]] | None = None,
+    cost_only: bool = False,
 ) -> str:
     """Write report.md (and plots) to ``out_dir``; return the markdown (``write=False``: the plots only).
 
@@ -95,6 +98,8 @@ def build_report(
     comparison, and refuses with one line when their seeds do not match. ``thresholds`` (``ppl_threshold``,
     ``acc_threshold``, ``ppl_ratio``, ``acc_fraction``) override the runs' settings of the effective-length rules.
     ``references`` are the schemes every column is compared with in the section of comparisons fixed in advance.
+    ``bench`` (``benchcost.find_bench``) adds the training cost measured side by side and gives the cost chart its
+    x; ``cost_only`` keeps only what prices the columns: that table, the protocols side by side and the chart.
     """
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
@@ -127,14 +132,21 @@ def build_report(
             steps = f"step {training.get('steps', '?')} of {training.get('max_steps', '?')}"
             sections.append(f"- {run.get('run_name') or run['label']}: trained to {steps} ({run_dir(run)})")
     appendix = Appendix()
-    for section in SECTIONS:
-        sections += section(results, appendix)
-    effective = effective_tables(results, appendix, thresholds)
-    sections += ["", effective] if effective else []
-    sections += preset_section(results, references)
-    if paired is not None:
-        sections += paired_section(results, *paired)
-    images = [image for figure in FIGURES for image in figure(results, out_dir)] if make_plots else []
+    sections += cost_section(results, bench) if bench else []
+    if cost_only:
+        sections += _text(protocol_tables)(results, appendix)
+    else:
+        for section in SECTIONS:
+            sections += section(results, appendix)
+        effective = effective_tables(results, appendix, thresholds)
+        sections += ["", effective] if effective else []
+        sections += preset_section(results, references)
+        if paired is not None:
+            sections += paired_section(results, *paired)
+    # The cost chart takes the benchmark's side-by-side throughput when there is one.
+    figures = [functools.partial(cost_plots_of, bench=bench) if f is cost_plots_of else f for f in FIGURES]
+    figures = [f for f in figures if not cost_only or getattr(f, "func", None) is cost_plots_of]
+    images = [image for figure in figures for image in figure(results, out_dir)] if make_plots else []
     if images:
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]
     sections += appendix.lines()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate import RATIO_MIN_SPAN
+from posenc.report.benchcost import bench_speeds, measured_steps
 from posenc.report.common import Columns, Key, interval, order, run_dir
 from posenc.report.perplexity import group_runs, protocol, suffix, value
 from posenc.runs import RUN_FILE
@@ -101,8 +102,10 @@ def conditions_note(by_label: Columns) -> str | None:
     return "throughput from each run's own log, under conditions that differ (" + "; ".join(differences) + ")"
 
 
-def cost_points(by_label: Columns) -> tuple[list[dict[str, Any]], str]:
+def cost_points(by_label: Columns, bench: list[dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], str]:
     """The points of one group, and what x is relative to (``NoPE`` or ``the fastest column``).
+
+    With ``bench`` (``find_bench``) measuring every column, x is its side-by-side train step relative to NoPE's.
 
     Each point: label, relative throughput, the ratio's mean, half-width (``None`` for one seed) and n, and the
     length it was read at. Columns without a recorded throughput or a ratio at the largest length are left out.
@@ -111,15 +114,18 @@ def cost_points(by_label: Columns) -> tuple[list[dict[str, Any]], str]:
     if not lengths:
         return [], ""
     longest = lengths[-1]
-    speeds: dict[str, float] = {}
-    for label, runs in by_label.items():
+    side_by_side = bench_speeds(by_label, bench or [])
+    speeds: dict[str, float] = side_by_side or {}
+    for label, runs in by_label.items() if side_by_side is None else ():
         measured = [speed for speed in map(throughput, runs) if speed is not None]
         if measured:
             speeds[label] = statistics.median(measured)
     if not speeds:
         return [], ""
-    reference = REFERENCE if REFERENCE in speeds else max(speeds, key=speeds.__getitem__)
+    reference = REFERENCE if REFERENCE in speeds or side_by_side else max(speeds, key=speeds.__getitem__)
     against = "NoPE" if reference == REFERENCE else f"the fastest column ({reference}; no NoPE column)"
+    if side_by_side:
+        against += ", one train step of each timed in turn in one process (posenc.bench)"
     points = []
     for label in order(speeds):
         ratio = interval([value(run, longest, "ratio") for run in by_label[label]])
@@ -128,7 +134,7 @@ def cost_points(by_label: Columns) -> tuple[list[dict[str, Any]], str]:
         points.append(
             {
                 "label": label,
-                "throughput": speeds[label] / speeds[reference],
+                "throughput": speeds[label] if side_by_side else speeds[label] / speeds[reference],
                 "ratio": ratio.mean,
                 "half_width": ratio.half_width,
                 "n": ratio.n,
@@ -138,14 +144,18 @@ def cost_points(by_label: Columns) -> tuple[list[dict[str, Any]], str]:
     return points, against
 
 
-def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
-    """One PNG per (training length, mode): each column a point with its seed interval as an error bar."""
+def cost_plots(groups: dict[Key, Columns], out_dir: Path, bench: list[dict[str, Any]] | None = None) -> list[Path]:
+    """One PNG per (training length, mode): each column a point with its seed interval as an error bar.
+
+    x comes from ``bench`` where it measured every column (then the runs' own conditions do not matter and are not
+    noted), else from the runs' logs with a note under the axes where their conditions differ.
+    """
     from posenc.evaluate.plots import line_figure, plt, save_figure  # matplotlib only when plotting
 
     images = []
     for key, by_label in sorted(groups.items(), key=lambda item: str(item[0])):
         train_len, mode, stride = key
-        points, against = cost_points(by_label)
+        points, against = cost_points(by_label, bench)
         if not points:
             continue
         longest = points[0]["length"]
@@ -168,7 +178,7 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
             error = [[point["half_width"] or 0.0], [point["half_width"] or 0.0]]
             ax.errorbar([point["throughput"]], [point["ratio"]], yerr=error, color=colour, capsize=4)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), numpoints=1)
-        note = conditions_note(by_label)
+        note = None if bench_speeds(by_label, bench or []) else conditions_note(by_label)
         if note:
             wrapped = textwrap.fill(note, 130)
             fig.subplots_adjust(bottom=0.14 + 0.03 * wrapped.count("\n"))
@@ -182,9 +192,23 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
     return images
 
 
-def cost_plots_of(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """``cost_plots`` over the report's language-modelling groups (a ``build.FIGURES`` entry)."""
-    return cost_plots(group_runs(results), out_dir)
+def cost_plots_of(
+    results: list[dict[str, Any]], out_dir: Path, bench: list[dict[str, Any]] | None = None
+) -> list[Path]:
+    """``cost_plots`` over the report's language-modelling groups."""
+    return cost_plots(group_runs(results), out_dir, bench)
+
+
+def cost_section(results: list[dict[str, Any]], bench: list[dict[str, Any]]) -> list[str]:
+    """The side-by-side cost table, once per training length (cost does not depend on the evaluation protocol)."""
+    lines: list[str] = []
+    seen: set[int] = set()
+    for (train_len, _mode, _stride), by_label in group_runs(results).items():
+        if train_len not in seen:
+            seen.add(train_len)
+            table = cost_table(by_label, bench)
+            lines += ["", table] if table else []
+    return lines
 
 
 def log_cost_scatter(results: list[dict[str, Any]], run: Any) -> None:
@@ -200,3 +224,50 @@ def log_cost_scatter(results: list[dict[str, Any]], run: Any) -> None:
         key = f"report/cost_vs_extrapolation_{suffix(group)}"
         title = f"ratio at {points[0]['length']} vs throughput relative to {against}"
         run.log({key: wandb.plot.scatter(table, "throughput", "ratio", title=title)})
+
+
+def _logged(runs: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """A column's median tokens/s and median load per core, from its runs' own records."""
+    speeds = [speed for speed in map(throughput, runs) if speed is not None]
+    conditions = [(run_record(run) or {}).get("train_conditions") or {} for run in runs]
+    loads = [c["load_per_core"] for c in conditions if c.get("load_per_core") is not None]
+    return (statistics.median(speeds) if speeds else None), (statistics.median(loads) if loads else None)
+
+
+def cost_table(by_label: Columns, bench: list[dict[str, Any]]) -> str:
+    """Per column: the benchmark's step (ms, ×NoPE) beside the runs' own throughput (×NoPE) and load."""
+    rows = measured_steps(bench)
+    if not rows:
+        return ""
+    logged = {label: _logged(runs) for label, runs in by_label.items()}
+    nope = logged.get("nope", (None, None))[0]
+    first = next(iter(rows.values()))
+    env = first["environment"]
+    lines = [
+        "## Training cost, measured side by side",
+        "",
+        f"One train step of every scheme timed in turn in one process (`python -m posenc.bench`): L = "
+        f"{first['seq_len']}, batch {first['batch']}, on {env.get('device', 'a device not recorded')} with "
+        f"{env.get('threads', '?')} thread(s), torch {env.get('torch', '?')}, {env.get('date', 'date not recorded')}; "
+        "the median of each scheme's steps. Beside it, each column's throughput from its own runs' logs "
+        "(median over seeds) and the load per core those runs recorded while training: a throughput from a log "
+        "compares with another only where the loads match.",
+        "",
+        "| scheme | parameters | step ms (side by side) | ×NoPE (side by side) | tokens/s (runs' logs) "
+        "| ×NoPE (runs' logs) | load per core (runs) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in order(set(by_label) | set(rows)):
+        row = rows.get(label, {})
+        speed, load = logged.get(label, (None, None))
+        cells = [
+            label,
+            f"{row['parameters']:,}" if row.get("parameters") else "—",
+            f"{row['step_ms']:.1f}" if row.get("step_ms") else "—",
+            f"{row['x_nope']:.2f}" if row.get("x_nope") is not None else "—",
+            f"{speed:,.0f}" if speed else "—",
+            f"{speed / nope:.2f}" if speed and nope else "—",
+            f"{load:.2f}" if load is not None else "—",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.jsonio import write_text
+from posenc.report.benchcost import BENCH_FILE, find_bench
 from posenc.report.build import build_report
 from posenc.report.collect import find_results
 from posenc.report.common import run_dir
@@ -44,12 +45,33 @@ class Study:
     title: str
     runs_command: str
     inputs: str = "<their sweep or run directories>"  # what the report reads of those runs
+    cost_only: bool = False  # the report's cost table, protocols and chart only (``build_report``)
 
+
+# The reproduction's encoding configs (sweeps/repro.yaml): every scheme of the ALiBi-era comparison and two hybrids.
+REPRODUCTION = (
+    "alibi,alibi_dd,cope,dape,fire,kerple_log,kerple_power,learned,nope,rope,sandwich,sinusoidal,xpos,t5,rnope,"
+    "rope_alibi"
+)
 
 STUDIES = {
     "reproduction": Study(
         "Reproduction: which scheme extrapolates",
-        "python -m posenc.train -m -cd sweeps -cn repro",
+        "python -m posenc.train -m -cd sweeps -cn repro seed=0,1,2 'eval.sliding_fractions=[0.5]'  # 16 configs x 3 "
+        "seeds; on 2 cores, as two single-threaded halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,alibi_dd,cope,dape,fire,kerple_log,kerple_power,learned &\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=nope,rope,sandwich,sinusoidal,xpos,t5,rnope,rope_alibi",
+        "outputs/sweeps/repro",
+    ),
+    "cost": Study(
+        "Cost of each scheme: its train step timed side by side, beside how far it extrapolates",
+        "python -m posenc.train -m -cd sweeps -cn repro seed=0,1,2 'eval.sliding_fractions=[0.5]'  # the "
+        "reproduction's runs\n"
+        f"OMP_NUM_THREADS=1 python -m posenc.bench model=tiny train_step.seq_len=64 train_step.batch_size=32 "
+        f"'train_step.schemes=[{REPRODUCTION}]' 'attention.lengths=[]' long_context.length=null repeats=40 "
+        "case_budget_s=60 hydra.run.dir=outputs/bench/cost",
+        "outputs/sweeps/repro outputs/bench/cost",
+        cost_only=True,
     ),
     "controlled": Study(
         "The controlled comparison: six schemes, five seeds, both protocols, positional parameters that learned",
@@ -279,10 +301,16 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
     results = find_results(paths)
     if not results:
         raise SystemExit(f"no results.json under {', '.join(paths)}: nothing to write {out} from")
+    bench = find_bench(paths)
     if not all(Path(p).resolve() == records.resolve() for p in paths):
         keep_records(results, records)
-        results = find_results([records])
-    markdown = build_report(results, folder, write=False, **report)
+        for index, record in enumerate(bench):  # the benchmark's file beside the runs' records
+            kept = records / f"bench-{index}" / BENCH_FILE
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(record["_source"], kept)
+        results, bench = find_results([records]), find_bench([records])
+    study = STUDIES[name]
+    markdown = build_report(results, folder, write=False, bench=bench, cost_only=study.cost_only, **report)
     kept = ""
     if out.exists():
         text = out.read_text()
