@@ -95,10 +95,10 @@ def test_runs_under_the_same_conditions_draw_no_note(tmp_path: Path) -> None:
     assert note is not None and "threads: " in note
 
 
-def _bench(folder: Path, x_nope: dict[str, float]) -> Path:
+def _bench(folder: Path, x_nope: dict[str, float], seq_len: int = 32) -> Path:
     """A benchmark's record: one train step per column timed in turn, as ``python -m posenc.bench`` writes it."""
     rows = [
-        {"scheme": label, "label": label, "seq_len": 32, "batch": 4, "parameters": 1000 + i, "repeats": 5,
+        {"scheme": label, "label": label, "seq_len": seq_len, "batch": 4, "parameters": 1000 + i, "repeats": 5,
          "step_ms": 10.0 / x, "tokens_per_s": 128 * x * 100, "x_nope": x}
         for i, (label, x) in enumerate(x_nope.items())
     ]  # fmt: skip
@@ -136,3 +136,6 @@ def test_a_benchmark_missing_a_column_leaves_the_axis_to_the_runs_logs(tmp_path:
     assert against == "NoPE"  # mixing a benchmark's ratios with logged ones would compare unlike with unlike
     assert {p["label"]: p["throughput"] for p in points}["scheme01"] == pytest.approx(997.0 / 1000.0)
     assert find_bench([tmp_path / "runs"]) == []
+    # Every column measured, but at another length than the runs trained at: that step does not price them.
+    longer = find_bench([_bench(tmp_path / "longer", dict.fromkeys(CROWDED, 0.9), seq_len=64)])
+    assert cost_points(by_label, longer)[1] == "NoPE" and cost_table(by_label, longer) == ""

@@ -36,19 +36,28 @@ def find_bench(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     return found
 
 
-def measured_steps(bench: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """{column label: its train-step row} over the benchmarks, the rows that timed a step (later files win)."""
+def measured_steps(bench: list[dict[str, Any]], seq_len: int | None = None) -> dict[str, dict[str, Any]]:
+    """{column label: its train-step row} over the benchmarks' timed steps at ``seq_len`` (later files win).
+
+    Only steps at the columns' training length price them: a step's cost grows with its length, and at another
+    length the schemes' order can change.
+    """
     rows: dict[str, dict[str, Any]] = {}
     for record in bench:
         for row in record["train_step"]:
-            if row.get("x_nope") is not None:
+            if row.get("x_nope") is not None and (seq_len is None or row.get("seq_len") == seq_len):
                 rows[row.get("label", row["scheme"])] = {**row, "environment": record.get("environment", {})}
     return rows
 
 
+def train_len(by_label: Columns) -> int | None:
+    """The training length the columns' runs share (a report group has one)."""
+    return next((run.get("train_len") for runs in by_label.values() for run in runs), None)
+
+
 def bench_speeds(by_label: Columns, bench: list[dict[str, Any]]) -> dict[str, float] | None:
     """Each column's throughput relative to NoPE from the benchmark, ``None`` unless it measured every column."""
-    rows = measured_steps(bench)
+    rows = measured_steps(bench, train_len(by_label))
     if not rows or not all(label in rows for label in by_label):
         return None
     return {label: rows[label]["x_nope"] for label in by_label}

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate import RATIO_MIN_SPAN
-from posenc.report.benchcost import bench_speeds, measured_steps
+from posenc.report.benchcost import bench_speeds, measured_steps, train_len
 from posenc.report.common import Columns, Key, interval, order, run_dir
 from posenc.report.perplexity import group_runs, protocol, suffix, value
 from posenc.runs import RUN_FILE
@@ -203,9 +203,9 @@ def cost_section(results: list[dict[str, Any]], bench: list[dict[str, Any]]) -> 
     """The side-by-side cost table, once per training length (cost does not depend on the evaluation protocol)."""
     lines: list[str] = []
     seen: set[int] = set()
-    for (train_len, _mode, _stride), by_label in group_runs(results).items():
-        if train_len not in seen:
-            seen.add(train_len)
+    for (length, _mode, _stride), by_label in group_runs(results).items():
+        if length not in seen:
+            seen.add(length)
             table = cost_table(by_label, bench)
             lines += ["", table] if table else []
     return lines
@@ -236,7 +236,7 @@ def _logged(runs: list[dict[str, Any]]) -> tuple[float | None, float | None]:
 
 def cost_table(by_label: Columns, bench: list[dict[str, Any]]) -> str:
     """Per column: the benchmark's step (ms, ×NoPE) beside the runs' own throughput (×NoPE) and load."""
-    rows = measured_steps(bench)
+    rows = measured_steps(bench, train_len(by_label))
     if not rows:
         return ""
     logged = {label: _logged(runs) for label, runs in by_label.items()}
