@@ -283,4 +283,6 @@ def test_the_train_step_reads_encoding_configs_and_names_them_as_runs_do(tmp_pat
         "alibi": "alibi",
     }
     assert all(row["repeats"] == cfg.repeats and row["x_nope"] > 0 and row["parameters"] > 0 for row in rows.values())
+    # The ratio is the median of the steps' paired ratios, inside its bootstrap interval over the repetitions.
+    assert all(low <= row["x_nope"] <= high for row in rows.values() for low, high in [row["x_nope_interval"]])
     assert "timed in turn" in (tmp_path / "bench.md").read_text()

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -121,7 +122,7 @@ def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
     rows: list[dict[str, Any]] = []
     steps: dict[int, Callable[[], None]] = {}
     for scheme in dict.fromkeys(["nope", *step_cfg.schemes]):
-        spec = encoding_spec(scheme)
+        spec = encoding_spec(scheme, step_cfg.seq_len)
         row: dict[str, Any] = {
             "scheme": scheme,
             "label": encoding_label(spec),
@@ -156,7 +157,11 @@ def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
     nope = rows[0].get("tokens_per_s")
     for index, row in enumerate(rows):
         if nope and "tokens_per_s" in row:
-            row["x_nope"] = row["tokens_per_s"] / nope
+            # Repetition by repetition the two steps ran back to back: the median of their paired ratios, and its
+            # interval, are what a change of load cannot move.
+            paired = [first / other for first, other in zip(times[0], times[index], strict=True)]
+            row["x_nope"] = statistics.median(paired)
+            row["x_nope_interval"] = median_interval(paired)
         if index in steps and row["scheme"] in step_cfg.profile_schemes and "error" not in row:
             row["profile"] = profile_step(steps[index], device, step_cfg.profile_steps, step_cfg.profile_rows)
         print(case_line(row), flush=True)
@@ -199,10 +204,26 @@ def interleaved_steps_ms(
     return times
 
 
-def encoding_spec(name: str) -> Any:
-    """The encoding config ``conf/encoding/<name>.yaml`` as a training run reads it, or ``name`` as a scheme."""
+def median_interval(samples: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """A 95% bootstrap interval of the median of ``samples`` (percentile method, a fixed seed: reruns agree)."""
+    values = np.asarray(samples, dtype=float)
+    if values.size < 2:
+        return [float(values.min()), float(values.max())] if values.size else []
+    draws = np.random.default_rng(seed).choice(values, size=(resamples, values.size))
+    low, high = np.percentile(np.median(draws, axis=1), [2.5, 97.5])
+    return [float(low), float(high)]
+
+
+def encoding_spec(name: str, seq_len: int) -> Any:
+    """The encoding config ``conf/encoding/<name>.yaml`` as a run training at ``seq_len`` reads it, else ``name``.
+
+    A config may read the run's training length (``${data.seq_len}``: a learned table's size, a scheme's trained
+    length); here that is the step's length.
+    """
     if name in encoding_choices():
-        return to_container(OmegaConf.load(CONF_DIR / "encoding" / f"{name}.yaml"))
+        root = OmegaConf.create({"data": {"seq_len": seq_len}})
+        root.encoding = OmegaConf.load(CONF_DIR / "encoding" / f"{name}.yaml")
+        return to_container(root)["encoding"]
     return name
 
 
@@ -338,11 +359,18 @@ def markdown(results: dict[str, Any]) -> str:
         repeats = sorted({row["repeats"] for row in results["train_step"] if "repeats" in row})
         if repeats:
             counts = "–".join(dict.fromkeys(map(str, (repeats[0], repeats[-1]))))
-            lines += [f"One step of every scheme timed in turn, {counts} times; the median of each.", ""]
-        lines += ["| scheme | step ms | tokens/s | ×NoPE tokens/s |", "|---|---|---|---|"]
+            lines += [
+                f"One step of every scheme timed in turn, {counts} times; the median of each, and a bootstrap interval"
+                " of the median of its ratios to NoPE's step in the same repetition.",
+                "",
+            ]
+        lines += ["| scheme | step ms | tokens/s | ×NoPE tokens/s [95% interval] |", "|---|---|---|---|"]
         for row in results["train_step"]:
             step = _failed(row["error"], notes) if "error" in row else _cell(row["step_ms"], 1)
-            cells = [row["scheme"], step, _cell(row.get("tokens_per_s"), 0), _cell(row.get("x_nope"))]
+            ratio = _cell(row.get("x_nope"))
+            if len(row.get("x_nope_interval") or []) == 2:
+                ratio += " [{:.2f}, {:.2f}]".format(*row["x_nope_interval"])
+            cells = [row["scheme"], step, _cell(row.get("tokens_per_s"), 0), ratio]
             lines.append("| " + " | ".join(cells) + " |")
         for row in results["train_step"]:
             if "profile" in row:

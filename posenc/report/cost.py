@@ -253,7 +253,7 @@ def cost_table(by_label: Columns, bench: list[dict[str, Any]]) -> str:
         "(median over seeds) and the load per core those runs recorded while training: a throughput from a log "
         "compares with another only where the loads match.",
         "",
-        "| scheme | parameters | step ms (side by side) | ×NoPE (side by side) | tokens/s (runs' logs) "
+        "| scheme | parameters | step ms (side by side) | ×NoPE [95% interval] (side by side) | tokens/s (runs' logs) "
         "| ×NoPE (runs' logs) | load per core (runs) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -264,10 +264,18 @@ def cost_table(by_label: Columns, bench: list[dict[str, Any]]) -> str:
             label,
             f"{row['parameters']:,}" if row.get("parameters") else "—",
             f"{row['step_ms']:.1f}" if row.get("step_ms") else "—",
-            f"{row['x_nope']:.2f}" if row.get("x_nope") is not None else "—",
+            _ratio_cell(row),
             f"{speed:,.0f}" if speed else "—",
             f"{speed / nope:.2f}" if speed and nope else "—",
             f"{load:.2f}" if load is not None else "—",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ratio_cell(row: dict[str, Any]) -> str:
+    """The benchmark's ratio to NoPE, with its interval over the repetitions where it recorded one."""
+    if row.get("x_nope") is None:
+        return "—"
+    interval = row.get("x_nope_interval") or []
+    return f"{row['x_nope']:.2f}" + (" [{:.2f}, {:.2f}]".format(*interval) if len(interval) == 2 else "")
