@@ -163,7 +163,7 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path, bench: list[dict[str, 
         fig, ax = line_figure(
             {p["label"]: ([p["throughput"]], [p["ratio"]], None) for p in points},
             f"cost vs extrapolation (trained at L={train_len}; {protocol(mode, stride)})",
-            f"training throughput relative to {against}",
+            textwrap.fill(f"training throughput relative to {against}", 80),
             f"perplexity ratio at {longest / train_len:g}× vs 1× (95% t interval over seeds)",
             logx=False,
             logy=True,
