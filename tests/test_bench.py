@@ -17,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from posenc.bench import compare as bench_compare
 from posenc.bench.attention import attention_call, fastest, reference_backends
-from posenc.bench.run import interleaved_steps_ms, markdown, run
+from posenc.bench.run import markdown, run
+from posenc.bench.step import interleaved_steps_ms
 from posenc.config import CONF_DIR
 from posenc.encodings import build
 
