@@ -13,8 +13,9 @@ Four measurements, all configured in ``conf/bench.yaml`` (defaults: the shapes o
 - on CPU, when ``compare.schemes`` names any, posenc's decoder against x-transformers' (``posenc/bench/compare.py``).
 
 Each attention length gets its own static compiled kernels, which is what a training run at that length compiles.
-Every case prints one line as it finishes (scheme, backend, length, ms, ratio), so a long GPU run shows progress;
-the tables go to ``bench.json`` and ``bench.md`` in the run directory at the end.
+Every attention case prints one line as it finishes (scheme, backend, length, ms, ratio), so a long GPU run shows
+progress; the train steps, timed in turn, print theirs once all are timed. The tables go to ``bench.json`` and
+``bench.md`` in the run directory at the end.
 """
 
 from __future__ import annotations
