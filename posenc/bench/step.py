@@ -75,9 +75,8 @@ def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
         rows[index]["step_ms"] = statistics.median(samples)
         rows[index]["repeats"] = len(samples)
         rows[index]["tokens_per_s"] = step_cfg.batch_size * step_cfg.seq_len / rows[index]["step_ms"] * 1e3
-    nope = rows[0].get("tokens_per_s")
     for index, row in enumerate(rows):
-        if nope and "tokens_per_s" in row:
+        if 0 in times and index in times:
             # Repetition by repetition the two steps ran back to back: the median of their paired ratios, and its
             # interval, are what a change of load cannot move.
             paired = [first / other for first, other in zip(times[0], times[index], strict=True)]

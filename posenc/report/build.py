@@ -144,8 +144,8 @@ def build_report(
         if paired is not None:
             sections += paired_section(results, *paired)
     # The cost chart takes the benchmark's side-by-side throughput when there is one.
-    figures = [functools.partial(cost_plots_of, bench=bench) if f is cost_plots_of else f for f in FIGURES]
-    figures = [f for f in figures if not cost_only or getattr(f, "func", None) is cost_plots_of]
+    cost_chart = functools.partial(cost_plots_of, bench=bench)
+    figures = [cost_chart] if cost_only else [cost_chart if f is cost_plots_of else f for f in FIGURES]
     images = [image for figure in figures for image in figure(results, out_dir)] if make_plots else []
     if images:
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]

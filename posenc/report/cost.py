@@ -114,27 +114,29 @@ def cost_points(by_label: Columns, bench: list[dict[str, Any]] | None = None) ->
     if not lengths:
         return [], ""
     longest = lengths[-1]
-    side_by_side = bench_speeds(by_label, bench or [])
-    speeds: dict[str, float] = side_by_side or {}
-    for label, runs in by_label.items() if side_by_side is None else ():
-        measured = [speed for speed in map(throughput, runs) if speed is not None]
-        if measured:
-            speeds[label] = statistics.median(measured)
-    if not speeds:
-        return [], ""
-    reference = REFERENCE if REFERENCE in speeds or side_by_side else max(speeds, key=speeds.__getitem__)
-    against = "NoPE" if reference == REFERENCE else f"the fastest column ({reference}; no NoPE column)"
-    if side_by_side:
-        against += ", one train step of each timed in turn in one process (posenc.bench)"
+    relative = bench_speeds(by_label, bench or [])  # already relative to NoPE's step
+    if relative:
+        against = "NoPE, one train step of each timed in turn in one process (posenc.bench)"
+    else:
+        speeds: dict[str, float] = {}
+        for label, runs in by_label.items():
+            measured = [speed for speed in map(throughput, runs) if speed is not None]
+            if measured:
+                speeds[label] = statistics.median(measured)
+        if not speeds:
+            return [], ""
+        reference = REFERENCE if REFERENCE in speeds else max(speeds, key=speeds.__getitem__)
+        against = "NoPE" if reference == REFERENCE else f"the fastest column ({reference}; no NoPE column)"
+        relative = {label: speed / speeds[reference] for label, speed in speeds.items()}
     points = []
-    for label in order(speeds):
+    for label in order(relative):
         ratio = interval([value(run, longest, "ratio") for run in by_label[label]])
         if ratio is None:
             continue
         points.append(
             {
                 "label": label,
-                "throughput": speeds[label] if side_by_side else speeds[label] / speeds[reference],
+                "throughput": relative[label],
                 "ratio": ratio.mean,
                 "half_width": ratio.half_width,
                 "n": ratio.n,

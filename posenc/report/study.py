@@ -15,6 +15,7 @@ import datetime
 import json
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ STUDIES = {
         "Cost of each scheme: its train step timed side by side, beside how far it extrapolates",
         "python -m posenc.train -m -cd sweeps -cn repro seed=0,1,2 'eval.sliding_fractions=[0.5]'  # the "
         "reproduction's runs\n"
-        f"OMP_NUM_THREADS=1 python -m posenc.bench model=tiny train_step.seq_len=64 train_step.batch_size=32 "
+        "OMP_NUM_THREADS=1 python -m posenc.bench model=tiny train_step.seq_len=64 train_step.batch_size=32 "
         f"'train_step.schemes=[{REPRODUCTION}]' 'attention.lengths=[]' long_context.length=null repeats=40 "
         "case_budget_s=60 hydra.run.dir=outputs/bench/cost",
         "outputs/sweeps/repro outputs/bench/cost",
@@ -171,8 +172,11 @@ STUDIES = {
 }
 
 
-def keep_records(results: list[dict[str, Any]], records: Path) -> None:
-    """Copy each run's records (never a checkpoint) into ``records/<run>/``, replacing what was there."""
+def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[dict[str, Any]] = ()) -> None:
+    """Copy each run's records (never a checkpoint) into ``records/<run>/``, replacing what was there.
+
+    A benchmark's record (``find_bench``) goes to ``records/bench-<i>/``, in the same staged copy.
+    """
     staging = records.with_name(records.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
     names = _record_names(results)
@@ -188,6 +192,9 @@ def keep_records(results: list[dict[str, Any]], records: Path) -> None:
             if (source / record).is_file():
                 (target / record).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source / record, target / record)
+    for index, record in enumerate(bench):
+        (staging / f"bench-{index}").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(record["_source"], staging / f"bench-{index}" / BENCH_FILE)
     shutil.rmtree(records, ignore_errors=True)
     staging.rename(records) if staging.exists() else records.mkdir(parents=True, exist_ok=True)
 
@@ -303,11 +310,7 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
         raise SystemExit(f"no results.json under {', '.join(paths)}: nothing to write {out} from")
     bench = find_bench(paths)
     if not all(Path(p).resolve() == records.resolve() for p in paths):
-        keep_records(results, records)
-        for index, record in enumerate(bench):  # the benchmark's file beside the runs' records
-            kept = records / f"bench-{index}" / BENCH_FILE
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(record["_source"], kept)
+        keep_records(results, records, bench)
         results, bench = find_results([records]), find_bench([records])
     study = STUDIES[name]
     markdown = build_report(results, folder, write=False, bench=bench, cost_only=study.cost_only, **report)
