@@ -27,7 +27,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, MissingMandatoryValue, open_dict
 
 from posenc.config import CONF_DIR, remove_if_only_bookkeeping, require_encoding, to_container
-from posenc.runs import CHECKPOINT, DONE_FILE, FAILED_FILE, RunError, inherit, validate
+from posenc.runs import (
+    CHECKPOINT,
+    DONE_FILE,
+    FAILED_FILE,
+    RunError,
+    inherit,
+    read_parent,
+    resolve_length_settings,
+    validate,
+)
 from posenc.training.sweep import job_state, join_submitit_tasks, wandb_group, wandb_run_id
 
 
@@ -37,8 +46,11 @@ def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> 
         config = to_container(cfg)
     except MissingMandatoryValue as err:
         raise RunError(f"{err.full_key} must be set (e.g. {_example(err.full_key)})") from None
+    # init_from: the parent's checkpoint first, whose resolved length settings an unset one keeps
+    parent_run = read_parent(str(config["init_from"])) if config.get("init_from") is not None else None
+    config = resolve_length_settings(config, parent_run.config.get("encoding") if parent_run else None)
     validate(config)
-    parent = inherit(config)  # init_from: what carries over is decided (or refused) before any work
+    parent = inherit(config, parent_run)  # what carries over is decided (or refused) before any work
     from posenc.training.loop import fit  # Lightning is imported only for a config that can run
 
     return fit(config, run_dir, resume_command, parent)

@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 
 from posenc.config import CONF_DIR, encoding_choices, to_container
 from posenc.encodings import available
+from posenc.encodings.length import coverage
 from posenc.model import Decoder
+from posenc.runs import resolve_length_settings
 
 GROUPS = {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in CONF_DIR.iterdir() if group.is_dir()}
 
@@ -24,9 +26,13 @@ def test_every_scheme_has_a_config() -> None:
 
 @pytest.mark.parametrize("name", encoding_choices())
 def test_every_encoding_config_builds_a_model(name: str) -> None:
-    cfg = to_container(compose_train(f"+encoding={name}"))
-    model = Decoder(encoding=cfg["encoding"], vocab_size=257, attention=cfg["attention"]["name"], **cfg["model"])
-    assert model.label == cfg["run_name"].split("-L")[0]
+    """Built as a run builds it, at two lengths: its length settings scaled, every positional parameter reached."""
+    for seq_len in (64, 128):
+        cfg = resolve_length_settings(to_container(compose_train(f"+encoding={name}", f"data.seq_len={seq_len}")))
+        model = Decoder(encoding=cfg["encoding"], vocab_size=257, attention=cfg["attention"]["name"], **cfg["model"])
+        assert model.label == cfg["run_name"].split("-L")[0]
+        assert coverage(model, seq_len)["gaps"] == [], f"{name} at L={seq_len} leaves parameters untrained"
+        assert all(entry["rule"] != "given" or entry["value"] is not None for entry in cfg["length_settings"].values())
 
 
 @pytest.mark.parametrize(

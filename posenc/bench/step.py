@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from posenc.bench.attention import failure, resolve_dtype, timed_ms
 from posenc.bench.profile import profile_step
 from posenc.config import CONF_DIR, encoding_choices, to_container
+from posenc.encodings.length import scale_to_length
 from posenc.model import Decoder, encoding_label
 from posenc.training.compiling import compile_blocks, should_compile
 
@@ -136,11 +137,11 @@ def median_interval(samples: list[float], resamples: int = 2000, seed: int = 0) 
 def encoding_spec(name: str, seq_len: int) -> Any:
     """The encoding config ``conf/encoding/<name>.yaml`` as a run training at ``seq_len`` reads it, else ``name``.
 
-    A config may read the run's training length (``${data.seq_len}``: a learned table's size, a scheme's trained
-    length); here that is the step's length.
+    A config may read the run's training length (``${data.seq_len}``, or a length setting left unset that the scheme
+    scales to it: a learned table's size, T5's buckets); here that is the step's length.
     """
     if name in encoding_choices():
         root = OmegaConf.create({"data": {"seq_len": seq_len}})
         root.encoding = OmegaConf.load(CONF_DIR / "encoding" / f"{name}.yaml")
-        return to_container(root)["encoding"]
+        return scale_to_length(to_container(root)["encoding"], seq_len)[0]
     return name

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from posenc.encodings.base import PositionalEncoding
 
 _REGISTRY: dict[str, type[PositionalEncoding]] = {}
-_NOT_SCHEMES = {"base", "stack"}
+_NOT_SCHEMES = {"base", "stack", "length"}
 _discovered = False
 
 T = TypeVar("T", bound=type[PositionalEncoding])

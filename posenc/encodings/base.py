@@ -83,12 +83,15 @@ one atomic add per score, which makes its backward hundreds of times slower than
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from posenc.encodings.length import LengthScaled
 
 # FlexAttention's score_mod signature: (score, batch, head, q_idx, kv_idx) -> score.
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -149,6 +152,9 @@ class PositionalEncoding(nn.Module):
     - ``qk_width``: ``rotate`` returns q and k of ``qk_width`` × ``head_dim`` channels (v keeps ``head_dim``).
     - ``scales_with_length``: ``rotate`` multiplies q by a function of the number of keys each query sees (SSMax's
       s · log n), so an evaluation-time length scaling (``eval.attention_scale``) would apply twice.
+    - ``length_settings``: {constructor argument: ``LengthScaled``} of the settings its paper chose for the length
+      it trained at (T5's buckets, FIRE's threshold); a run resolves each one it is not given from its own training
+      length (``posenc/encodings/length.py``).
     """
 
     name: ClassVar[str] = "base"
@@ -170,6 +176,7 @@ class PositionalEncoding(nn.Module):
     score_mod_reads_table: ClassVar[bool] = False
     qk_width: ClassVar[int] = 1
     scales_with_length: ClassVar[bool] = False
+    length_settings: ClassVar[Mapping[str, LengthScaled]] = {}
 
     def __init__(self, num_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -338,6 +345,15 @@ class PositionalEncoding(nn.Module):
         such form (backends then differentiate the score_mod directly, correct but slow).
         """
         return None if self.learnable_bias else []
+
+    def coverage(self, train_length: int) -> list[dict[str, Any]]:
+        """The learnable positional parameters that training at ``train_length`` cannot reach, one entry each.
+
+        Each entry is ``{"parameter", "note", "unreached", "of"}``: the note one line a user reads before the first
+        step (what is unreached and what reads it). ``[]`` when training reaches every parameter (the default: a
+        scheme without parameters, or one whose every parameter shapes the bias at every trained distance).
+        """
+        return []
 
     def constrain_(self) -> None:
         """Project parameters back into their valid range after an optimiser step (KERPLE's positivity)."""

@@ -18,12 +18,15 @@ zero, and the gates use the scaled scores of the attention itself. Row i reads q
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.length import LengthScaled
 from posenc.runtime import full_precision
 
 
@@ -34,6 +37,11 @@ class CoPE(PositionalEncoding):
     name = "cope"
     adds_content_bias = True
     reads_scores = True
+    # A count over a window of L keys stays below L + 1, so L embeddings are every one training can reach; the
+    # last one then holds every longer count.
+    length_settings: ClassVar[Mapping[str, LengthScaled]] = {
+        "num_positions": LengthScaled(1, "every count a trained window reaches", minimum=2)
+    }
 
     def __init__(self, num_heads: int, head_dim: int, num_positions: int = 64) -> None:
         super().__init__(num_heads, head_dim)
@@ -72,6 +80,20 @@ class CoPE(PositionalEncoding):
         # ⌈p⌉ wherever the weight is not 0 (and where it is, the upper value does not count): one index tensor.
         upper = logits.gather(-1, (index + 1).clamp(max=self.num_embeddings - 1))
         return torch.lerp(lower, upper, weight)  # (1 − w) · z[⌊p⌋] + w · z[⌈p⌉] in one pass
+
+    def coverage(self, train_length: int) -> list[dict[str, object]]:
+        unreached = self.num_embeddings - (train_length + 1)
+        if unreached <= 0:
+            return []
+        return [
+            {
+                "parameter": "embeddings",
+                "unreached": unreached,
+                "of": self.num_embeddings,
+                "note": f"embeddings {train_length + 1}–{self.num_embeddings - 1} hold counts no window of "
+                f"{train_length} reaches: they keep their initial value",
+            }
+        ]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_positions={self.num_embeddings}"

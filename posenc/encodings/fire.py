@@ -21,11 +21,15 @@ in query chunks and evaluates it through ``flex``, and ``attention=flex`` refuse
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding, ScoreMod
+from posenc.encodings.length import LengthScaled
 from posenc.runtime import full_precision
 
 EPS = 1e-6  # keeps ψ(max(L, i)) away from 0 (the paper's code adds it to the normaliser)
@@ -38,6 +42,11 @@ class FIRE(PositionalEncoding):
     name = "fire"
     adds_bias = True
     score_mod_differentiable = False  # Inductor cannot lower its backward (module docstring)
+    # The paper trained at 2,048 with the threshold starting at 512: a quarter of the trained queries are normalised
+    # by the threshold, the rest by their own position (the progressive interpolation training must see).
+    length_settings: ClassVar[Mapping[str, LengthScaled]] = {
+        "init_threshold": LengthScaled(1 / 4, "FIRE: 512 at L = 2,048", integer=False)
+    }
 
     def __init__(
         self, num_heads: int, head_dim: int, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float = 512.0
@@ -96,5 +105,20 @@ class FIRE(PositionalEncoding):
 
         return fire
 
+    def coverage(self, train_length: int) -> list[dict[str, object]]:
+        threshold = float((self.threshold_multiplier.detach().float() * self.init_threshold).abs())
+        if threshold < train_length - 1:
+            return []
+        return [
+            {
+                "parameter": "threshold",
+                "unreached": 1,
+                "of": 1,
+                "note": f"the threshold starts at {threshold:g} ≥ L − 1 = {train_length - 1}: no trained query is "
+                "normalised by its own position, so the progressive interpolation every longer window uses never "
+                "trained",
+            }
+        ]
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mlp_width={self.mlp_width}"
+        return f"{super().extra_repr()}, mlp_width={self.mlp_width}, init_threshold={float(self.init_threshold):g}"

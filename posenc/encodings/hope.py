@@ -17,10 +17,13 @@ trained pairs rotating and the still ones still. The rotation itself is RoPE's (
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 
 from posenc.encodings import register
+from posenc.encodings.length import LengthScaled
 from posenc.encodings.p_rope import TruncatedRoPE
 from posenc.encodings.rope import rotary_dims
 
@@ -38,6 +41,9 @@ class HoPE(TruncatedRoPE):
     """HoPE: RoPE's pairs with a wavelength beyond the training length carry no position."""
 
     name = "hope"
+    length_settings: ClassVar[Mapping[str, LengthScaled]] = {
+        "train_length": LengthScaled(1, "HoPE: the training length")
+    }
 
     def __init__(
         self,

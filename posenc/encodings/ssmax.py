@@ -32,12 +32,15 @@ and only counters the fading past it. ``posenc.evaluate eval.attention_scale=log
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.length import LengthScaled
 
 
 def visible_keys(q_pos: Tensor, k_pos: Tensor) -> Tensor:
@@ -57,6 +60,9 @@ class SSMax(PositionalEncoding):
     name = "ssmax"
     rotates = True
     scales_with_length = True
+    length_settings: ClassVar[Mapping[str, LengthScaled]] = {
+        "train_length": LengthScaled(1, "SSMax: s starts at 1/log L", minimum=2)
+    }
 
     def __init__(self, num_heads: int, head_dim: int, train_length: int = 1024) -> None:
         super().__init__(num_heads, head_dim)

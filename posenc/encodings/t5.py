@@ -8,12 +8,15 @@ up to ``max_distance`` on a log scale, and every larger distance shares the last
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding, ScoreMod, TableForm
+from posenc.encodings.length import LengthScaled
 
 
 def t5_bucket(d: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
@@ -35,6 +38,12 @@ class T5Bias(PositionalEncoding):
     name = "t5"
     adds_bias = True
     score_mod_reads_table = True
+    # T5 trained at 512 tokens with 32 buckets up to distance 128, so that every bucket falls inside the trained
+    # distances (the last one from 113 on). Kept as ratios, a run at L = 64 gets 4 buckets up to 16.
+    length_settings: ClassVar[Mapping[str, LengthScaled]] = {
+        "num_buckets": LengthScaled(1 / 16, "T5: 32 at L = 512", minimum=4),
+        "max_distance": LengthScaled(1 / 4, "T5: 128 at L = 512", minimum=4),
+    }
 
     def __init__(self, num_heads: int, head_dim: int, num_buckets: int = 32, max_distance: int = 128) -> None:
         super().__init__(num_heads, head_dim)
@@ -77,6 +86,24 @@ class T5Bias(PositionalEncoding):
         # Identity 2 (docs/learnable-bias-gradient.md): only distances below the horizon need dS; the last bucket
         # gets minus their sum.
         return [TableForm(self.table, self.horizon_buckets)]
+
+    def coverage(self, train_length: int) -> list[dict[str, object]]:
+        reached = set(self.bucket(torch.arange(max(train_length, 1))).tolist())
+        unreached = [bucket for bucket in range(self.num_buckets) if bucket not in reached]
+        if not unreached:
+            return []
+        # Every bucket is reached by some distance up to max_distance, which already sits in the last one.
+        first = int((self.bucket(torch.arange(self.max_distance + 1)) >= unreached[0]).to(torch.int64).argmax())
+        return [
+            {
+                "parameter": "table",
+                "unreached": len(unreached),
+                "of": self.num_buckets,
+                "note": f"buckets {unreached[0]}–{unreached[-1]} of {self.num_buckets} (distances ≥ {first}) are never "
+                f"reached at L = {train_length}: every score past distance {train_length - 1} reads a bias that "
+                "never trained",
+            }
+        ]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_buckets={self.num_buckets}, max_distance={self.max_distance}"

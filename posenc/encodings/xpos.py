@@ -9,11 +9,15 @@ unchanged but keeps the factors near 1 in both directions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.length import LengthScaled
 from posenc.encodings.rope import fused_on_gpu, rotate_half
 
 
@@ -35,6 +39,10 @@ class XPos(PositionalEncoding):
 
     name = "xpos"
     rotates = True
+    # The decay ζ^(n / scale_base) was set for training at 1,024: at L = 64 a scale of 512 would barely decay.
+    length_settings: ClassVar[Mapping[str, LengthScaled]] = {
+        "scale_base": LengthScaled(1 / 2, "xPos: 512 at L = 1,024", integer=False)
+    }
 
     def __init__(self, num_heads: int, head_dim: int, base: float = 10000.0, scale_base: float = 512.0) -> None:
         super().__init__(num_heads, head_dim)

@@ -38,9 +38,10 @@ from posenc.runs.checks import (
     config_problems,
     eval_problems,
     experiment_settings,
+    resolve_length_settings,
     validate,
 )
-from posenc.runs.lineage import Parent, inherit, lineage_tags, load_parent_weights
+from posenc.runs.lineage import Parent, inherit, lineage_tags, load_parent_weights, read_parent
 from posenc.runs.records import (
     CHECKPOINT,
     DONE_FILE,
@@ -94,7 +95,9 @@ __all__ = [
     "now",
     "read_checkpoint",
     "read_json",
+    "read_parent",
     "resolve_checkpoint",
+    "resolve_length_settings",
     "resume_checkpoint",
     "run_info",
     "training_record",

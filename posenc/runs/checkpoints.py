@@ -54,6 +54,7 @@ def run_info(config: Mapping[str, Any], label: str, data_info: dict[str, Any]) -
         "data": data_info,
         "run_name": config["run_name"],
         "config": dict(config),
+        "length_settings": config.get("length_settings") or {},
     }
 
 

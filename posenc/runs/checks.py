@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 # change them (a key names itself and everything under it).
 RUNTIME_KEYS = (
     "resume",
+    # what the encoding's length settings resolved to and by which rule: the settings themselves are in ``encoding``
+    "length_settings",
     "output_root",
     "sweep_name",
     "run_name",
@@ -157,6 +159,23 @@ def eval_problems(evaluation: Mapping[str, Any]) -> list[str]:
 
 def _fraction(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value <= 1
+
+
+def resolve_length_settings(config: Mapping[str, Any], inherited: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``config`` with its encoding's unset length settings resolved and recorded (``config["length_settings"]``).
+
+    ``inherited``: the encoding config of the run this one starts from (``init_from``), whose resolved settings an
+    unset one keeps. See ``posenc/encodings/length.py``.
+    """
+    from posenc.encodings.length import scale_to_length
+
+    if not isinstance(config.get("encoding"), Mapping) or "name" not in config["encoding"]:
+        return dict(config)
+    try:
+        encoding, record = scale_to_length(config["encoding"], int(config["data"]["seq_len"]), inherited)
+    except ValueError as err:
+        raise RunError(f"invalid encoding settings: {err}") from None
+    return {**config, "encoding": encoding, "length_settings": record}
 
 
 def check_model(config: Mapping[str, Any]) -> None:

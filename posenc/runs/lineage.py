@@ -190,12 +190,15 @@ def plan(config: Mapping[str, Any], parent: Parent) -> dict[str, Any]:
     }
 
 
-def inherit(config: Mapping[str, Any]) -> tuple[Parent, dict[str, Any]] | None:
-    """The parent and the lineage of a run with ``init_from``, checked before any work; ``None`` without one."""
+def inherit(config: Mapping[str, Any], parent: Parent | None = None) -> tuple[Parent, dict[str, Any]] | None:
+    """The parent and the lineage of a run with ``init_from``, checked before any work; ``None`` without one.
+
+    ``parent``: the checkpoint ``init_from`` names, when the caller has read it already.
+    """
     target = config.get("init_from")
     if target is None:
         return None
-    parent = read_parent(str(target))
+    parent = parent or read_parent(str(target))
     return parent, plan(config, parent)
 
 

@@ -49,6 +49,10 @@ RESULT_FIELDS = {
     "learned_bias",
     "positional_drift",
     "lineage",
+    # what the run's settings imply (the resolved length settings, what training reaches, the budget): not settings
+    "length_settings",
+    "coverage",
+    "budget",
 }
 SEPARATOR = " · "
 UNSET = "(unset)"

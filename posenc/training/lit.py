@@ -6,6 +6,7 @@ Everything about positions lives in the model's schemes; this module only trains
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from posenc.encodings.length import scale_to_length
 from posenc.model import Decoder
 from posenc.training.compiling import compile_blocks, should_compile
 
@@ -57,8 +59,12 @@ class LitDecoder(L.LightningModule):
         super().__init__()
         # In every checkpoint, not in the loggers: the run's loggers get the config once, from posenc.training.
         self.save_hyperparameters(logger=False)
+        # A config resolved by posenc.train has its length settings already; one built another way gets them here.
+        encoding = config["encoding"]
+        if isinstance(encoding, Mapping) and "name" in encoding:
+            encoding = scale_to_length(encoding, int(config["data"]["seq_len"]))[0]
         self.model = Decoder(
-            encoding=config["encoding"], vocab_size=vocab_size, attention=config["attention"]["name"], **config["model"]
+            encoding=encoding, vocab_size=vocab_size, attention=config["attention"]["name"], **config["model"]
         )
         if should_compile(config.get("compile", "auto"), config.get("trainer", {}).get("accelerator", "auto")):
             compile_blocks(self.model)

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from posenc.encodings.length import coverage, coverage_lines, settings_line
 from posenc.evaluate import RESULTS_FILE, sliding_dir
 from posenc.evaluate.curve import ValidationAccuracy
 from posenc.evaluate.drift import PositionalDrift, console_lines
@@ -107,6 +108,12 @@ def fit(
     label = module.model.label
     info = run_info(config, label, data_info)
     seq_len = config["data"]["seq_len"]
+    # Before the first step: which positional parameters training at this length cannot reach, one line each.
+    info["coverage"] = coverage(module.model, seq_len)
+    info["budget"] = budget(module.model, config)
+    for line in [settings_line(info["length_settings"], seq_len), *coverage_lines(info["coverage"])]:
+        if line is not None:
+            print(line)
     tags = [label, f"L{seq_len}", f"seed{config['seed']}", *module.model.scheme_names]
     logged_config = {**config, "label": label, "data_info": data_info}
     if parent is not None:
@@ -218,6 +225,20 @@ def fit(
             raise
         raise _full_disk_error(full, config, run_dir, resume_command) from None
     return summary
+
+
+def budget(model: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The training budget a run plans, in tokens per parameter: what says how far from converged a comparison is.
+
+    Parameters are all the model's trainable ones (embeddings included: at the tiny size the byte vocabulary's
+    tables are a small share); tokens are ``max_steps`` × the global batch × the training length on one process
+    (``run.json`` records the tokens each process count actually trained).
+    """
+    parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainer = config["trainer"]
+    tokens = trainer["max_steps"] * config["data"]["batch_size"] * trainer.get("accumulate_grad_batches", 1)
+    tokens *= config["data"]["seq_len"]
+    return {"parameters": parameters, "tokens": tokens, "tokens_per_parameter": tokens / max(1, parameters)}
 
 
 def _full_disk_error(full: OSError, config: dict[str, Any], run_dir: Path, resume_command: str | None) -> RunError:

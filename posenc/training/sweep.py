@@ -50,6 +50,7 @@ from posenc.runs import (
     last_good_checkpoint,
     read_checkpoint,
     read_json,
+    resolve_length_settings,
     validate,
     write_json,
 )
@@ -116,6 +117,8 @@ def job_state(run_dir: Path, config: Mapping[str, Any]) -> JobState:
         state = JobState(run_dir, checkpoint=checkpoint, step=step, failed=reason)
     else:
         return JobState(run_dir, failed=reason)
+    # A length setting left unset resolves as the earlier launch resolved it (posenc/encodings/length.py).
+    config = resolve_length_settings(config, earlier.get("encoding"))
     changes = setting_changes(earlier, config)
     if changes:
         raise SweepError(
