@@ -242,3 +242,36 @@ def test_stick_breaking_weights_by_hand() -> None:
     outputs = torch.tensor([1.0, 1 / 4 + 30 / 4, 3 / 8 + 5 + 100 / 8, 3 / 32 + 10 / 8 + 75 + 1000 / 32])
     for attend in (enc.attend, lambda *args: _dense(*args[:3], enc, *args[3:])):
         torch.testing.assert_close(attend(q, k, v, pos, pos)[0, 0, :, 0], outputs)
+
+
+def test_stick_breaking_trained_form_puts_the_remainder_on_a_head_vector_and_normalises_heads() -> None:
+    """The form the paper's models trained with: the remainder on a learned (H, D) vector, each head normalised."""
+    enc = make("stick_breaking", heads=1, head_dim=1, remainder="head_bias")
+    log3 = math.log(3.0)
+    q = torch.tensor([0.0, -1.0, 1.0, 1.0]).view(1, 1, 4, 1)
+    k = torch.tensor([log3, 0.0, log3, 5.0]).view(1, 1, 4, 1)
+    v = torch.tensor([1.0, 10.0, 100.0, 1000.0]).view(1, 1, 4, 1)
+    pos = torch.arange(4)
+    with torch.no_grad():
+        enc.head_bias.fill_(-7.0)
+    # The weights by hand above less their diagonal (no key takes the remainder), which goes to −7 instead.
+    remainder = torch.tensor([1.0, 3 / 4, 1 / 8, 1 / 32])
+    outputs = torch.tensor([0.0, 1 / 4, 3 / 8 + 5, 3 / 32 + 10 / 8 + 75]) - 7.0 * remainder
+    for attend in (enc.attend, lambda *args: _dense(*args[:3], enc, *args[3:])):
+        torch.testing.assert_close(attend(q, k, v, pos, pos)[0, 0, :, 0], outputs)
+    torch.manual_seed(3)
+    trained = make("stick_breaking", remainder="head_bias", head_norm=True)
+    for parameter in trained.parameters():
+        parameter.data.normal_()
+    pos = torch.arange(30)
+    q, k, v = (torch.randn(2, HEADS, 30, HEAD_DIM, requires_grad=True) for _ in range(3))
+    weight = torch.randn(2, HEADS, 30, HEAD_DIM)
+    inputs = [q, k, v, *trained.parameters()]
+    grads = []
+    for attend in (trained.attend, lambda *args: _dense(*args[:3], trained, *args[3:])):
+        out = attend(q, k, v, pos, pos)
+        grads.append([out, *torch.autograd.grad((out * weight).sum(), inputs)])
+    for value, reference in zip(*grads, strict=True):
+        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
+    suffix = trained.attend(q[:, :, 20:], k, v, pos[20:], pos)
+    torch.testing.assert_close(suffix, grads[0][0][:, :, 20:], atol=1e-6, rtol=1e-5)

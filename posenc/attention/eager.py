@@ -50,4 +50,6 @@ def eager_attention(
     features: Tensor | None = None,
 ) -> Tensor:
     weights = attention_weights(q, k, encoding, q_pos, k_pos, features)  # (B, H, Lq, Lk)
+    if encoding.supplies_attention:  # the scheme says what its weights give (a remainder off the values, a norm)
+        return encoding.weights_output(weights, v.float()).to(q.dtype)
     return torch.einsum("bhqk,bhkd->bhqd", weights, v.float()).to(q.dtype)

@@ -303,10 +303,19 @@ class PositionalEncoding(nn.Module):
         """
         raise NotImplementedError(f"{self.label} does not supply its own attention")
 
+    def weights_output(self, weights: Tensor, v: Tensor) -> Tensor:
+        """The fp32 output (B, H, Lq, D) of dense ``attention_weights`` (B, H, Lq, Lk) over fp32 values (B, H, Lk, D).
+
+        ``weights · v`` (the default): what ``eager`` computes for a scheme that ``supplies_attention``. A scheme whose
+        weights leave part of each row to something other than a value (stick-breaking's remainder on a learned
+        vector) or that transforms the heads' output overrides it, and its ``attend`` returns the same.
+        """
+        return torch.einsum("bhqk,bhkd->bhqd", weights, v)
+
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
     ) -> Tensor:
-        """``attention_weights`` · v (B, H, Lq, D) in ``q``'s dtype on the scheme's fast path, with no (Lq × Lk) tensor.
+        """``weights_output(attention_weights, v)`` (B, H, Lq, D) in q's dtype on the fast path, no (Lq × Lk) tensor.
 
         Its sums stay in fp32 and its memory bounded per block of query rows; values and gradients equal the
         reference's.

@@ -47,12 +47,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import full_precision
 
+# Where what no key took goes: the query's own value (the reference code's tests) or a learned vector per head (the
+# layer the paper's models were trained with).
+REMAINDERS = ("value", "head_bias")
 # Scores per block: 1 MiB fp32 temporaries on a CPU (its cache), far more on a GPU.
 BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
 
@@ -109,22 +112,42 @@ class _StickBreakingAttention(torch.autograd.Function):
     """o = A · v + remainder · v_own, block by block; the backward recomputes each block and differentiates by hand."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_pos: Tensor, rows: int) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor | None,
+        k_pos: Tensor,
+        rows: int,
+        head_bias: Tensor | None,
+    ) -> Tensor:
         # q_pos None: self-attention over k_pos (one tensor passed once, as torch.compile wants its inputs distinct).
-        return _forward(ctx, q, k, v, q_pos, k_pos, rows)
+        # head_bias None: the remainder goes to the query's own value; else to this (H, D) vector.
+        return _forward(ctx, q, k, v, q_pos, k_pos, rows, head_bias)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        return (*_backward(ctx, dout), None, None, None)
+        dq, dk, dv, dhead_bias = _backward(ctx, dout)
+        return dq, dk, dv, None, None, None, dhead_bias
+
+
+def _remainder_target(v: Tensor, q_pos: Tensor, k_pos: Tensor, head_bias: Tensor | None, fp: torch.dtype) -> Tensor:
+    """What the stick's remainder multiplies: each query's own value (B, H, Lq, D), or the (H, 1, D) head bias."""
+    if head_bias is None:
+        return v.to(fp).index_select(-2, torch.searchsorted(k_pos, q_pos))
+    return head_bias.to(fp)[:, None, :]
 
 
 @full_precision
-def _forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_pos: Tensor, rows: int) -> Tensor:
+def _forward(
+    ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_pos: Tensor, rows: int, head_bias: Tensor | None
+) -> Tensor:
     self_attention = q_pos is None
     q_pos = k_pos if q_pos is None else q_pos
     scale, fp = q.shape[-1] ** -0.5, _precision(q)
     k_near, v_near, pos_near = k.to(fp).flip(-2), v.to(fp).flip(-2), k_pos.flip(0)  # nearest key first
-    v_own = v.to(fp).index_select(-2, torch.searchsorted(k_pos, q_pos))  # (B, H, Lq, D): each query's own value
+    v_own = _remainder_target(v, q_pos, k_pos, head_bias, fp).expand(*q.shape[:2], q.shape[2], v.shape[-1])
     q_neg = q.to(fp) * -scale
     out = []
     for start, end, keys, leading in _blocks(q.shape[-2], rows, k.shape[-2], self_attention):
@@ -132,19 +155,20 @@ def _forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_
                                       leading)  # fmt: skip
         block = torch.matmul(sticks, v_near[:, :, keys])
         out.append(block.addcmul_(remainder[..., None], v_own[:, :, start:end]))
-    ctx.save_for_backward(q, k, v, k_pos, *([] if self_attention else [q_pos]))
+    ctx.save_for_backward(q, k, v, k_pos, head_bias, *([] if self_attention else [q_pos]))
     ctx.rows, ctx.self_attention = rows, self_attention
     return torch.cat(out, dim=-2).to(v.dtype)
 
 
 @full_precision
-def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v, k_pos, *query_positions = ctx.saved_tensors
+def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    q, k, v, k_pos, head_bias, *query_positions = ctx.saved_tensors
     q_pos = query_positions[0] if query_positions else k_pos
     scale, fp = q.shape[-1] ** -0.5, _precision(q)
     k_near, v_near, pos_near = k.to(fp).flip(-2), v.to(fp).flip(-2), k_pos.flip(0)
     own = torch.searchsorted(k_pos, q_pos)
-    v_own, dout = v.to(fp).index_select(-2, own), dout.to(fp)
+    v_own = _remainder_target(v, q_pos, k_pos, head_bias, fp).expand(*dout.shape)
+    dout = dout.to(fp)
     dq = torch.empty(q.shape, dtype=fp, device=q.device)
     dk_near, dv_near = torch.zeros_like(k_near), torch.zeros_like(v_near)
     remainders = torch.empty(dout.shape[:-1], dtype=fp, device=q.device)  # (B, H, Lq)
@@ -163,21 +187,32 @@ def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         dscores = grad.add_(farther).mul_(rest).sub_(farther).mul_(scale)  # (g + F) s − F; 0 where s = 1, g = 0
         dq[:, :, start:end] = torch.matmul(dscores, k_near[:, :, keys])
         dk_near[:, :, keys] += torch.matmul(dscores.transpose(-1, -2), q_block)
-    dv = dv_near.flip(-2).index_add_(-2, own, remainders[..., None] * dout)
-    return dq.to(q.dtype), dk_near.flip(-2).to(k.dtype), dv.to(v.dtype)
+    dv, dhead_bias = dv_near.flip(-2), None
+    if head_bias is None:  # the remainder took the query's own value
+        dv = dv.index_add_(-2, own, remainders[..., None] * dout)
+    else:
+        dhead_bias = (remainders[..., None] * dout).sum((0, 2)).to(head_bias.dtype)  # (H, D)
+    return dq.to(q.dtype), dk_near.flip(-2).to(k.dtype), dv.to(v.dtype), dhead_bias
 
 
 def stick_breaking_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, rows: int | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    rows: int | None = None,
+    head_bias: Tensor | None = None,
 ) -> Tensor:
     """Stick-breaking attention (B, H, Lq, D) of q (B, H, Lq, D) over k, v (B, H, Lk, D), ``rows`` queries a block.
 
     Keys come in increasing position order and include each query's own position (self-attention, or new queries
-    over every cached key). ``rows`` defaults to a block of ``BLOCK_ELEMENTS`` scores for the device.
+    over every cached key). ``rows`` defaults to a block of ``BLOCK_ELEMENTS`` scores for the device. The remainder
+    goes to each query's own value, or to ``head_bias`` (H, D) when given.
     """
     batch, heads, _, _ = q.shape
     rows = rows or block_rows(batch * heads, k.shape[-2], q.device)
-    return _StickBreakingAttention.apply(q, k, v, None if q_pos is k_pos else q_pos, k_pos, rows)
+    return _StickBreakingAttention.apply(q, k, v, None if q_pos is k_pos else q_pos, k_pos, rows, head_bias)
 
 
 @register
@@ -186,6 +221,26 @@ class StickBreaking(PositionalEncoding):
 
     name = "stick_breaking"
     supplies_attention = True  # reads q and k only: the keys' ``features`` are ignored
+
+    def __init__(self, num_heads: int, head_dim: int, remainder: str = "value", head_norm: bool = False) -> None:
+        super().__init__(num_heads, head_dim)
+        if remainder not in REMAINDERS:
+            raise ValueError(f"stick_breaking remainder must be one of {', '.join(REMAINDERS)}, got {remainder!r}")
+        self.remainder = remainder
+        self.head_norm = bool(head_norm)
+        # The trained form (module docstring): a learned vector per head takes the remainder, initialised at zero,
+        # and each head's output is normalised with its own gain and offset (GroupNorm, one group per head).
+        self.head_bias = nn.Parameter(torch.zeros(num_heads, head_dim)) if remainder == "head_bias" else None
+        self.norm = nn.GroupNorm(num_heads, num_heads * head_dim) if self.head_norm else None
+
+    def _finish(self, out: Tensor) -> Tensor:
+        """Each head's output (B, H, Lq, D) normalised over its D channels, as the trained layer does before o_proj."""
+        if self.norm is None:
+            return out
+        batch, heads, length, dim = out.shape
+        flat = out.transpose(1, 2).reshape(batch * length, heads * dim)
+        normed = F.group_norm(flat.float(), heads, self.norm.weight.float(), self.norm.bias.float(), self.norm.eps)
+        return normed.reshape(batch, length, heads, dim).transpose(1, 2).to(out.dtype)
 
     @full_precision
     def attention_weights(
@@ -200,9 +255,22 @@ class StickBreaking(PositionalEncoding):
         # The stick left, Π_{k<i} (1 − β_ik): the reference code's 1 − Σ_j A_ij (telescoping), which in floating
         # point could round below 0 (and an entropy of it to −∞).
         remainder = log_rest.sum(-1, keepdim=True).exp()
+        if self.remainder == "head_bias":  # no key takes it: weights_output adds it on the head's vector
+            return sticks
         return sticks + (k_pos[None, :] == q_pos[:, None]) * remainder  # on the query's own key
+
+    @full_precision
+    def weights_output(self, weights: Tensor, v: Tensor) -> Tensor:
+        out = torch.einsum("bhqk,bhkd->bhqd", weights, v.to(weights.dtype))
+        if self.head_bias is not None:  # what no key took, 1 − Σ_j A_ij, on the head's learned vector
+            left = (1 - weights.sum(-1, keepdim=True)).clamp(min=0)
+            out = out + left * self.head_bias.to(weights.dtype)[None, :, None, :]
+        return self._finish(out)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
     ) -> Tensor:
-        return stick_breaking_attention(q, k, v, q_pos, k_pos)
+        return self._finish(stick_breaking_attention(q, k, v, q_pos, k_pos, head_bias=self.head_bias))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, remainder={self.remainder}, head_norm={self.head_norm}"

@@ -185,6 +185,7 @@ def check_model(config: Mapping[str, Any]) -> None:
     from posenc.attention import scheme_refusal
     from posenc.model import Decoder
 
+    config = resolve_length_settings(config)  # as the run builds it (a no-op for a config posenc.train resolved)
     model_cfg, seq_len = config["model"], config["data"]["seq_len"]
     kwargs = {"encoding": config["encoding"], "vocab_size": ByteTokenizer.vocab_size, **model_cfg}
     try:
