@@ -121,3 +121,34 @@ def test_near_duplicate_leakage_is_found_by_shingles() -> None:
     assert short.containment == 0.0 and short.best_match is None
     printed = "\n".join(summary([copy, fresh, short]))
     assert "validation: 2 documents" in printed and "2 near-duplicate(s) of a training document" in printed
+
+
+def test_near_copies_of_training_text_are_left_out_of_the_scored_split_and_counted(tmp_path) -> None:
+    import hashlib
+
+    from posenc.data.corpora import _held_out
+    from posenc.data.datamodule import TextDataModule
+
+    def lands_in(split: str, text: str) -> str:  # the first variant of ``text`` the content hash puts in ``split``
+        for variant in range(10_000):
+            candidate = f"{text}\nvariant = {variant}\n"
+            if _held_out(hashlib.sha256(candidate.encode()).hexdigest(), 5.0, 5.0) == split:
+                return candidate
+        raise AssertionError("no variant landed there")
+
+    trained = "\n".join(f"row_{i} = table[{i}] * {i}" for i in range(80))
+    files = {"trained": lands_in("train", trained), "copy": lands_in("validation", trained)}
+    files["fresh"] = lands_in("validation", "\n".join(f"other_{i} = {i} ** 2" for i in range(80)))
+    files |= {f"filler{i}": lands_in("train", f"filler {i}\n" * 30) for i in range(20)}
+    files["tested"] = lands_in("test", "tested = True")
+    for name, text in files.items():
+        (tmp_path / f"{name}.txt").write_text(text)
+    data = TextDataModule("text", {"paths": [str(tmp_path / "*.txt")]}, seq_len=8, cache_dir=str(tmp_path / "cache"))
+    whole = data.stream("validation")
+    kept, record = data.heldout_stream("validation", 0.5)
+    assert record["split_documents"] == 2 and len(record["dropped"]) == 1
+    assert record["dropped"][0]["containment"] > 0.9
+    assert len(kept) == len(whole) - record["dropped"][0]["tokens"]
+    assert bytes(kept[:7].astype("uint8")) == b"other_0"  # files in name order: the copy went, the fresh one stays
+    stream, nothing = data.heldout_stream("validation", None)
+    assert nothing is None and stream is whole

@@ -21,11 +21,14 @@ from posenc.data.tokenizer import ByteTokenizer
 from posenc.jsonio import write_bytes, write_text
 
 
+def cache_folder(corpus: Corpus, cache_dir: str | os.PathLike) -> Path:
+    """The folder of one corpus's cache: its name and fingerprint, so that another text never reads it."""
+    return Path(cache_dir).expanduser() / f"{corpus.name.replace('/', '_').replace(':', '_')}-{corpus.fingerprint[:16]}"
+
+
 def tokenized_splits(corpus: Corpus, tokenizer: ByteTokenizer, cache_dir: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read-only token streams per split, tokenising and caching them on first use."""
-    folder = (
-        Path(cache_dir).expanduser() / f"{corpus.name.replace('/', '_').replace(':', '_')}-{corpus.fingerprint[:16]}"
-    )
+    folder = cache_folder(corpus, cache_dir)
     meta_path = folder / "meta.json"
     _remove_orphans(folder)
     meta = _verified_meta(folder)

@@ -7,7 +7,9 @@ resumed run continue with fresh samples instead of replaying the ones it already
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -15,10 +17,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from posenc.data.cache import tokenized_splits
+from posenc.data.cache import cache_folder, tokenized_splits
 from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
+from posenc.data.heldout import document_bounds
+from posenc.data.leakage import overlaps
 from posenc.data.retrieval import evaluation_options, task_dataset
 from posenc.data.tokenizer import ByteTokenizer
+from posenc.jsonio import write_text
 
 
 class RandomWindows(Dataset):
@@ -114,6 +119,7 @@ class TextDataModule(_WindowDataModule):
         self.val_windows, self.cache_dir = val_windows, cache_dir
         self.splits: dict[str, np.ndarray] | None = None
         self.fingerprint: str | None = None
+        self.cache_folder: Path | None = None
 
     def prepare_data(self) -> None:
         self.setup()
@@ -123,11 +129,53 @@ class TextDataModule(_WindowDataModule):
             corpus = load_corpus(self.corpus_kind, **self.corpus_options)
             self.fingerprint = corpus.fingerprint
             self.splits = tokenized_splits(corpus, self.tokenizer, self.cache_dir)
+            self.cache_folder = cache_folder(corpus, self.cache_dir)
 
     def stream(self, split: str) -> np.ndarray:
         """The whole token stream of one split (``train``, ``validation`` or ``test``)."""
         self.setup()
         return self.splits[split]
+
+    def heldout_stream(self, split: str, max_containment: float | None) -> tuple[np.ndarray, dict[str, Any] | None]:
+        """A held-out split's stream without its near-copies of training text, and the record of what was dropped.
+
+        A document whose containment (``posenc.data.leakage``: the share of its line shingles found in the training
+        split) reaches ``max_containment`` is a near-copy: scoring it measures memory, not modelling. ``None`` keeps
+        every document (and records nothing).
+        """
+        stream = self.stream(split)
+        if max_containment is None or split == "train":
+            return stream, None
+        containment = self._containment(split)
+        bounds = document_bounds(stream)
+        dropped = [index for index, share in enumerate(containment) if share >= max_containment and index < len(bounds)]
+        record = {
+            "max_containment": max_containment,
+            "split_documents": len(bounds),
+            "dropped": [
+                {"document": i, "containment": containment[i], "tokens": bounds[i][1] - bounds[i][0]} for i in dropped
+            ],
+        }
+        if len(dropped) == len(bounds):
+            raise ValueError(
+                f"every document of the {split} split is a near-copy of training text (containment ≥ "
+                f"{max_containment:g}): set eval.max_containment=null to score them anyway, or use another corpus"
+            )
+        if not dropped:
+            return stream, record
+        keep = [stream[start:end] for index, (start, end) in enumerate(bounds) if index not in set(dropped)]
+        return np.concatenate(keep), record
+
+    def _containment(self, split: str) -> list[float]:
+        """Every document's containment in the training split, computed once a corpus and kept beside its tokens."""
+        self.setup()
+        path = self.cache_folder / f"containment-{split}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        corpus = load_corpus(self.corpus_kind, **self.corpus_options)
+        shares = [found.containment for found in overlaps(corpus, held_out=(split,))]
+        write_text(path, json.dumps(shares))
+        return shares
 
     def describe(self) -> dict[str, Any]:
         """What to record in a run: corpus, fingerprint and split sizes."""

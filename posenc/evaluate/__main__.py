@@ -67,7 +67,9 @@ def _main(cfg: DictConfig) -> None:
     task = config["data"].get("task")
     datamodule = build_datamodule(config, num_samples=1)
     data_info = check_data(datamodule)
-    stream = None if task else datamodule.stream(eval_cfg["split"])
+    stream, leakage = (
+        (None, None) if task else datamodule.heldout_stream(eval_cfg["split"], eval_cfg.get("max_containment"))
+    )
     training = checkpoint_training(checkpoint, config)
     if not training["finished"]:
         print(
@@ -90,6 +92,7 @@ def _main(cfg: DictConfig) -> None:
             stream=stream,
             task=task,
             precision=module.hparams.precision,
+            leakage=leakage,
         )
     except ValueError as err:  # a setting the model cannot honour (e.g. RoPE scaling of a model without RoPE)
         raise RunError(str(err)) from None

@@ -180,6 +180,15 @@ def print_results(results: dict[str, Any]) -> None:
                 f"length: {held}; {documents.get('too_short')} of {documents.get('split_documents')} are too short "
                 "for the longest)"
             )
+        leakage = documents.get("leakage") or {}
+        if leakage.get("dropped"):
+            dropped = leakage["dropped"]
+            print(
+                f"  ({len(dropped)} of the split's {leakage['split_documents']} documents left out as near-copies of "
+                f"training text, containment ≥ {leakage['max_containment']:g}: "
+                + ", ".join(f"#{d['document']} ({d['containment']:.2f}, {d['tokens']} tokens)" for d in dropped)
+                + ")"
+            )
         print(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
         for r in rows:
             if r["error"]:

@@ -122,11 +122,13 @@ def evaluate_model(
     stream: np.ndarray | None,
     task: str | None,
     precision: str = "32-true",
+    leakage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """All extrapolation figures of ``model`` as one JSON-ready dict.
 
     ``run_info`` carries label, train_len, seed, encoding; ``stream`` is the held-out token stream for
-    language-modelling runs (``None`` for task runs); ``task`` is the synthetic task a model was trained on.
+    language-modelling runs (``None`` for task runs), ``leakage`` the record of the documents left out of it as
+    near-copies of training text; ``task`` is the synthetic task a model was trained on.
     ``precision`` is the one it trained in (Lightning's setting, recorded in the results): the forward runs under
     it, so the in-length figure is training's and every backend runs as it did there.
     Compiled blocks run uncompiled here (``posenc/training/compiling.py``): a static graph per evaluation shape
@@ -139,6 +141,8 @@ def evaluate_model(
         attention_scaling(model, eval_cfg, run_info) as scaled_info,
     ):
         results = _evaluate(model, scaled_info, eval_cfg, stream, task)
+    if leakage is not None and "documents" in results:
+        results["documents"]["leakage"] = leakage
     return {**results, "precision": precision}
 
 
@@ -251,7 +255,7 @@ class ExtrapolationEval(Callback):
         run_info: dict[str, Any],
         eval_cfg: dict[str, Any],
         out_dir: Path,
-        stream_fn: Callable[[], np.ndarray] | None,
+        stream_fn: Callable[[], tuple[np.ndarray, dict[str, Any] | None]] | None,
         task: str | None,
         drift: PositionalDrift | None = None,
     ) -> None:
@@ -270,7 +274,7 @@ class ExtrapolationEval(Callback):
             return
         # Lightning's teardown has moved the module back to CPU by now: evaluate on the training device.
         pl_module.model.to(trainer.strategy.root_device)
-        stream = self.stream_fn() if self.stream_fn is not None else None
+        stream, leakage = self.stream_fn() if self.stream_fn is not None else (None, None)
         step, train_len = trainer.global_step, int(self.run_info["train_len"])
         tokens_per_step = global_batch(trainer.datamodule.batch_size, trainer, train_len)["tokens_per_step"]
         checkpoint = self.out_dir.parent / CHECKPOINT  # saved by now: Lightning's checkpointing ends with training
@@ -287,6 +291,7 @@ class ExtrapolationEval(Callback):
             stream=stream,
             task=self.task,
             precision=str(trainer.precision),
+            leakage=leakage,
         )
         images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
         print_results(self.results)

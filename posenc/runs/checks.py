@@ -59,6 +59,7 @@ INTRODUCED = {
     "init_from": None,
     "model.context_scaling": None,
     "eval.attention_scale": None,
+    "eval.max_containment": None,
 }
 
 

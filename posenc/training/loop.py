@@ -150,7 +150,12 @@ def fit(
     evaluation = None
     if config["eval"]["at_end"]:
         # Held-out text for language-modelling runs (task runs are scored on their task); picklable, for ddp_spawn.
-        stream = None if task else functools.partial(datamodule.stream, config["eval"]["split"])
+        eval_cfg = config["eval"]
+        stream = (
+            None
+            if task
+            else functools.partial(datamodule.heldout_stream, eval_cfg["split"], eval_cfg.get("max_containment"))
+        )
         evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task, drift)
         callbacks.append(evaluation)
         # The other protocol from the same run: sliding windows at each stride fixed in advance, beside eval/.
