@@ -32,6 +32,7 @@ from posenc.runs import (
     DONE_FILE,
     FAILED_FILE,
     RunError,
+    apply_tuning,
     inherit,
     read_parent,
     resolve_length_settings,
@@ -49,6 +50,7 @@ def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> 
     # init_from: the parent's checkpoint first, whose resolved length settings an unset one keeps
     parent_run = read_parent(str(config["init_from"])) if config.get("init_from") is not None else None
     config = resolve_length_settings(config, parent_run.config.get("encoding") if parent_run else None)
+    config = apply_tuning(config)  # optim.tuned: the scheme's learning rates from a tuning's selection
     validate(config)
     parent = inherit(config, parent_run)  # what carries over is decided (or refused) before any work
     from posenc.training.loop import fit  # Lightning is imported only for a config that can run

@@ -34,6 +34,7 @@ from posenc.report.preset import DEFAULT_REFERENCES, preset_section
 from posenc.report.protocols import protocol_tables
 from posenc.report.retrieval import retrieval_tables
 from posenc.report.tasks import task_tables
+from posenc.report.tuning import tuning_section
 
 Results = list[dict[str, Any]]
 
@@ -86,6 +87,7 @@ def build_report(
     references: Sequence[str] = DEFAULT_REFERENCES,
     bench: list[dict[str, Any]] | None = None,
     cost_only: bool = False,
+    tuning_only: bool = False,
 ) -> str:
     """Write report.md (and plots) to ``out_dir``; return the markdown (``write=False``: the plots only).
 
@@ -100,6 +102,7 @@ def build_report(
     ``references`` are the schemes every column is compared with in the section of comparisons fixed in advance.
     ``bench`` (``benchcost.find_bench``) adds the training cost measured side by side and gives the cost chart its
     x; ``cost_only`` keeps only what prices the columns: that table, the protocols side by side and the chart.
+    ``tuning_only``: the tuning grid and the setting selected for each scheme (``posenc/report/tuning.py``), alone.
     """
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
@@ -133,7 +136,9 @@ def build_report(
             sections.append(f"- {run.get('run_name') or run['label']}: trained to {steps} ({run_dir(run)})")
     appendix = Appendix()
     sections += cost_section(results, bench) if bench else []
-    if cost_only:
+    if tuning_only:
+        sections += tuning_section(results)
+    elif cost_only:
         sections += _text(protocol_tables)(results, appendix)
     else:
         for section in SECTIONS:
@@ -146,6 +151,7 @@ def build_report(
     # The cost chart takes the benchmark's side-by-side throughput when there is one.
     cost_chart = functools.partial(cost_plots_of, bench=bench)
     figures = [cost_chart] if cost_only else [cost_chart if f is cost_plots_of else f for f in FIGURES]
+    figures = [] if tuning_only else figures
     images = [image for figure in figures for image in figure(results, out_dir)] if make_plots else []
     if images:
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]

@@ -26,6 +26,7 @@ from posenc.report.build import build_report
 from posenc.report.collect import find_results
 from posenc.report.common import run_dir
 from posenc.report.drift import CSV_LOG
+from posenc.report.tuning import SELECTION_FILE, select, write_selection
 from posenc.runs import DONE_FILE, RUN_FILE
 
 # A study document whose tables were transcribed from the report of runs that are not kept beside it says so with
@@ -47,6 +48,7 @@ class Study:
     runs_command: str
     inputs: str = "<their sweep or run directories>"  # what the report reads of those runs
     cost_only: bool = False  # the report's cost table, protocols and chart only (``build_report``)
+    tuning: bool = False  # the tuning grid alone, and the selection written beside the document (selection.json)
 
 
 # The reproduction's encoding configs (sweeps/repro.yaml): every scheme of the ALiBi-era comparison and two hybrids.
@@ -86,6 +88,13 @@ STUDIES = {
         "python -m posenc.train -m -cd sweeps -cn controlled +encoding=fire,kerple_log trainer.max_steps=1200 "
         "sweep_name=controlled_1200  # read beside the same schemes' 600-step runs of sweeps/controlled",
         "outputs/sweeps/controlled_1200 outputs/sweeps/controlled/{fire,kerple_log}-L64-s*",
+    ),
+    "tuning": Study(
+        "The same tuning for every scheme: one grid, selected on validation",
+        "python -m posenc.train -m -cd sweeps -cn tune  # the schemes with parameters, the whole grid\n"
+        "python -m posenc.train -m -cd sweeps -cn tune +encoding=alibi,rope,nope optim.scheme_lr_multiplier=1",
+        "outputs/sweeps/tune",
+        tuning=True,
     ),
     "frontier": Study(
         "The 2024–2025 frontier on the reproduction's backbone (one seed)",
@@ -313,7 +322,11 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
         keep_records(results, records, bench)
         results, bench = find_results([records]), find_bench([records])
     study = STUDIES[name]
-    markdown = build_report(results, folder, write=False, bench=bench, cost_only=study.cost_only, **report)
+    markdown = build_report(
+        results, folder, write=False, bench=bench, cost_only=study.cost_only, tuning_only=study.tuning, **report
+    )
+    if study.tuning:  # what a study's runs read through optim.tuned
+        write_selection(folder / SELECTION_FILE, select(results))
     kept = ""
     if out.exists():
         text = out.read_text()

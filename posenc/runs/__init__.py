@@ -32,6 +32,7 @@ from posenc.runs.checkpoints import (
 from posenc.runs.checks import (
     INTRODUCED,
     RUNTIME_KEYS,
+    apply_tuning,
     check_data,
     check_device,
     check_model,
@@ -74,6 +75,7 @@ __all__ = [
     "WANDB_ID_FILE",
     "Parent",
     "RunError",
+    "apply_tuning",
     "build_datamodule",
     "check_consistency",
     "check_data",

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posenc.data.tokenizer import ByteTokenizer
-from posenc.runs.records import RunError
+from posenc.runs.records import RunError, read_json
 
 if TYPE_CHECKING:
     from posenc.data.datamodule import TaskDataModule, TextDataModule
@@ -25,6 +26,8 @@ RUNTIME_KEYS = (
     "resume",
     # what the encoding's length settings resolved to and by which rule: the settings themselves are in ``encoding``
     "length_settings",
+    # where a tuned run's learning rates came from: the rates themselves are in ``optim``
+    "tuning",
     "output_root",
     "sweep_name",
     "run_name",
@@ -60,6 +63,7 @@ INTRODUCED = {
     "model.context_scaling": None,
     "eval.attention_scale": None,
     "eval.max_containment": None,
+    "optim.tuned": None,
 }
 
 
@@ -177,6 +181,35 @@ def resolve_length_settings(config: Mapping[str, Any], inherited: Mapping[str, A
     except ValueError as err:
         raise RunError(f"invalid encoding settings: {err}") from None
     return {**config, "encoding": encoding, "length_settings": record}
+
+
+def apply_tuning(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with its scheme's tuned learning rates, when ``optim.tuned`` names a tuning's ``selection.json``.
+
+    The file (``posenc/report/tuning.py``) holds one setting per scheme label, selected on the validation split; the
+    run takes its own scheme's ``lr`` and ``scheme_lr_multiplier`` and records where they came from (``tuning``). A
+    scheme the file has no setting for is refused in one line: it was not tuned with the others.
+    """
+    path = (config.get("optim") or {}).get("tuned")
+    if path is None:
+        return dict(config)
+    from posenc.model import encoding_label
+
+    try:
+        selection = read_json(Path(str(path)).expanduser())
+    except SystemExit as err:
+        raise RunError(f"optim.tuned={path}: {err}") from None
+    label = encoding_label(config["encoding"])
+    chosen = (selection.get("schemes") or {}).get(label)
+    if chosen is None:
+        raise RunError(
+            f"optim.tuned={path} has no setting for {label} (it holds {', '.join(selection.get('schemes') or {})}): "
+            "tune it with the others (sweeps/tune.yaml), or drop optim.tuned"
+        )
+    optim = {**config["optim"], "lr": chosen["lr"], "scheme_lr_multiplier": chosen["scheme_lr_multiplier"]}
+    record = {"from": str(path), "rule": selection.get("rule"), "split": selection.get("split"), **chosen}
+    record.pop("grid", None)
+    return {**config, "optim": optim, "tuning": record}
 
 
 def check_model(config: Mapping[str, Any]) -> None:

@@ -46,6 +46,7 @@ from posenc.runs import (
     DONE_FILE,
     FAILED_FILE,
     INTRODUCED,
+    apply_tuning,
     experiment_settings,
     last_good_checkpoint,
     read_checkpoint,
@@ -118,7 +119,7 @@ def job_state(run_dir: Path, config: Mapping[str, Any]) -> JobState:
     else:
         return JobState(run_dir, failed=reason)
     # A length setting left unset resolves as the earlier launch resolved it (posenc/encodings/length.py).
-    config = resolve_length_settings(config, earlier.get("encoding"))
+    config = apply_tuning(resolve_length_settings(config, earlier.get("encoding")))
     changes = setting_changes(earlier, config)
     if changes:
         raise SweepError(

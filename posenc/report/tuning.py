@@ -1,0 +1,125 @@
+"""The same tuning for every scheme: a grid, a selection rule fixed in advance, the chosen setting per scheme.
+
+Why: a comparison where one scheme's learning rates were searched and another's were not measures the search, not
+the schemes; a setting chosen on the figures a study then reports measures the choice. ``sweeps/tune.yaml`` trains
+every scheme of a comparison over one grid (the learning rate; and the scheme parameters' multiplier of it wherever a
+scheme has parameters), evaluated on the **validation** split at the training length only. This module selects one
+setting per scheme by the rule below and writes it (``selection.json``); a study's runs then take their scheme's
+setting from that file (``optim.tuned``, ``posenc.runs.apply_tuning``) and report on the **test** split.
+
+The rule, fixed before any tuning run: the grid point with the lowest in-length validation loss (mean over its
+seeds); points within ``TIE`` nats of the lowest count as tied, and a tie goes to the smaller scheme multiplier,
+then the smaller learning rate (the cheaper, more conservative setting). Selecting on in-length loss keeps the
+question a study asks, how the scheme extrapolates, out of the choice.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from posenc.jsonio import write_text
+
+SELECTION_FILE = "selection.json"
+TIE = 0.002  # nats: below a tenth of the seed-to-seed spread of in-length loss at the tiny size (scheme-lr.md)
+RULE = (
+    "lowest in-length (1×) validation loss, mean over the tuning seeds; points within "
+    f"{TIE:g} nats of it are tied, and a tie goes to the smaller scheme multiplier, then the smaller learning rate"
+)
+
+
+def _setting(run: dict[str, Any]) -> tuple[float, float]:
+    optim = (run.get("config") or {}).get("optim") or {}
+    return float(optim.get("lr", math.nan)), float(optim.get("scheme_lr_multiplier", 1.0))
+
+
+def _in_length_loss(run: dict[str, Any]) -> float | None:
+    if ((run.get("eval") or {}).get("split") or "validation") != "validation":
+        return None
+    row = next((r for r in run.get("perplexity") or [] if r.get("multiple") == 1 and not r.get("error")), None)
+    return None if row is None else row.get("loss")
+
+
+def grid(results: Sequence[dict[str, Any]]) -> dict[str, dict[tuple[float, float], list[float]]]:
+    """{scheme label: {(lr, multiplier): in-length validation losses, one a seed}} of the runs that have one."""
+    points: dict[str, dict[tuple[float, float], list[float]]] = defaultdict(lambda: defaultdict(list))
+    for run in results:
+        loss = _in_length_loss(run)
+        if loss is not None and math.isfinite(loss) and not run.get("failed"):
+            points[run["label"]][_setting(run)].append(float(loss))
+    return {label: dict(by_setting) for label, by_setting in points.items()}
+
+
+def select(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """{scheme label: the chosen setting, its loss, the runner-up's margin and the grid} by ``RULE``."""
+    chosen = {}
+    for label, by_setting in sorted(grid(results).items()):
+        means = {setting: statistics.fmean(losses) for setting, losses in by_setting.items()}
+        best = min(means.values())
+        tied = [setting for setting, loss in means.items() if loss <= best + TIE]
+        lr, multiplier = min(tied, key=lambda setting: (setting[1], setting[0]))
+        others = sorted(loss for setting, loss in means.items() if setting != (lr, multiplier))
+        chosen[label] = {
+            "lr": lr,
+            "scheme_lr_multiplier": multiplier,
+            "loss": means[(lr, multiplier)],
+            "margin_to_next": (others[0] - means[(lr, multiplier)]) if others else None,
+            "seeds": len(by_setting[(lr, multiplier)]),
+            "grid": [
+                {"lr": s[0], "scheme_lr_multiplier": s[1], "loss": means[s], "seeds": len(by_setting[s])}
+                for s in sorted(means)
+            ],
+        }
+    return chosen
+
+
+def write_selection(path: Path, selection: dict[str, dict[str, Any]]) -> None:
+    """``selection.json``: what a study's runs read through ``optim.tuned`` (written whole or not at all)."""
+    import json
+
+    write_text(path, json.dumps({"rule": RULE, "split": "validation", "schemes": selection}, indent=1) + "\n")
+
+
+def tuning_section(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The grid per scheme as in-length validation perplexity, the chosen point marked, and the rule."""
+    selection = select(results)
+    if not selection:
+        return ["", "## Tuning", "", "No run was evaluated at its training length on the validation split."]
+    lines = [
+        "",
+        "## Tuning: one grid for every scheme, selected on validation",
+        "",
+        f"Selection rule (fixed before the runs): {RULE}. Cells: in-length validation perplexity (mean over seeds, n "
+        "beside a cell of more than one); ◆ the selected point. A scheme without parameters has one multiplier.",
+        "",
+        "| scheme | selected lr | selected multiplier | in-length val. ppl | margin to the next point (nats) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, chosen in selection.items():
+        margin = "—" if chosen["margin_to_next"] is None else f"{chosen['margin_to_next']:.4f}"
+        lines.append(
+            f"| {label} | {chosen['lr']:g} | {chosen['scheme_lr_multiplier']:g} | {math.exp(chosen['loss']):.3f} "
+            f"| {margin} |"
+        )
+    for label, chosen in selection.items():
+        rates = sorted({point["lr"] for point in chosen["grid"]})
+        multipliers = sorted({point["scheme_lr_multiplier"] for point in chosen["grid"]})
+        cells = {(p["lr"], p["scheme_lr_multiplier"]): p for p in chosen["grid"]}
+        lines += ["", f"**{label}**", "", "| lr | " + " | ".join(f"×{m:g}" for m in multipliers) + " |"]
+        lines.append("|---:|" + "---:|" * len(multipliers))
+        for lr in rates:
+            row = []
+            for multiplier in multipliers:
+                point = cells.get((lr, multiplier))
+                if point is None:
+                    row.append("")
+                    continue
+                mark = " ◆" if (lr, multiplier) == (chosen["lr"], chosen["scheme_lr_multiplier"]) else ""
+                n = f" (n={point['seeds']})" if point["seeds"] > 1 else ""
+                row.append(f"{math.exp(point['loss']):.3f}{n}{mark}")
+            lines.append(f"| {lr:g} | " + " | ".join(row) + " |")
+    return lines

@@ -1,0 +1,55 @@
+"""The same tuning for every scheme: the selection rule, and a run taking its scheme's setting from the selection."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers import compose_train
+
+from posenc.config import to_container
+from posenc.report.tuning import TIE, select, tuning_section, write_selection
+from posenc.runs import RunError, apply_tuning
+
+
+def _run(label: str, lr: float, multiplier: float, loss: float, seed: int = 10, split: str = "validation") -> dict:
+    return {
+        "label": label,
+        "seed": seed,
+        "config": {"optim": {"lr": lr, "scheme_lr_multiplier": multiplier}},
+        "eval": {"split": split},
+        "perplexity": [{"multiple": 1, "loss": loss, "error": None}, {"multiple": 2, "loss": 0.1, "error": None}],
+    }
+
+
+def test_the_lowest_in_length_validation_loss_wins_and_ties_go_to_the_smaller_settings() -> None:
+    results = [
+        _run("t5", 1e-3, 1, 2.00),
+        _run("t5", 2e-3, 1, 1.90 + TIE / 2),  # tied with the best: the smaller multiplier wins
+        _run("t5", 2e-3, 10, 1.90),
+        _run("t5", 4e-3, 100, 1.95),
+        _run("alibi", 1e-3, 1, 1.80),
+        _run("alibi", 2e-3, 1, 1.70),
+        _run("alibi", 2e-3, 1, 1.74, seed=11),  # seeds are averaged: 1.72
+        _run("alibi", 4e-3, 1, 1.71),
+        _run("alibi", 4e-3, 1, 0.5, split="test"),  # never selected on the reported split
+    ]
+    chosen = select(results)
+    assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (2e-3, 1)
+    assert (chosen["alibi"]["lr"], chosen["alibi"]["scheme_lr_multiplier"]) == (4e-3, 1)
+    assert chosen["alibi"]["margin_to_next"] == pytest.approx(0.01)
+    assert len(chosen["t5"]["grid"]) == 4
+    text = "\n".join(tuning_section(results))
+    assert f"{math.exp(1.71):.3f} ◆" in text and "lowest in-length (1×) validation loss" in text
+
+
+def test_a_run_takes_its_schemes_tuned_rates_and_an_untuned_scheme_is_refused(tmp_path) -> None:
+    selection = tmp_path / "selection.json"
+    write_selection(selection, select([_run("t5", 4e-3, 10, 1.0), _run("alibi", 1e-3, 1, 1.0)]))
+    config = to_container(compose_train("+encoding=t5", f"optim.tuned={selection}"))
+    tuned = apply_tuning(config)
+    assert (tuned["optim"]["lr"], tuned["optim"]["scheme_lr_multiplier"]) == (4e-3, 10)
+    assert tuned["tuning"]["from"] == str(selection) and tuned["tuning"]["split"] == "validation"
+    assert apply_tuning(to_container(compose_train("+encoding=t5")))["optim"]["lr"] == config["optim"]["lr"]
+    with pytest.raises(RunError, match="has no setting for fire"):
+        apply_tuning(to_container(compose_train("+encoding=fire", f"optim.tuned={selection}")))
