@@ -1,5 +1,5 @@
-"""Statistics with power: the hierarchical and crossed bootstraps on data with known answers, and the comparisons
-fixed in advance (every column against each reference, Holm over the whole family)."""
+"""Statistics with power: the crossed bootstraps of perplexity and recall on data with known answers, and the
+comparisons fixed in advance (every column against each reference, Holm over the whole family)."""
 
 from __future__ import annotations
 
@@ -10,31 +10,59 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from posenc.evaluate.bootstrap import crossed_difference, hierarchical_log_ratio
+from posenc.evaluate.bootstrap import crossed_difference, crossed_log_ratio
 from posenc.report import build_report, find_results
 from posenc.report.preset import pairs, reference_columns
 
 DOCUMENTS = 30
 
 
-def _perplexity_data(rng: np.random.Generator, delta: float, seed_sd: float, doc_sd: float, seeds: int = 5):
-    """(a, b, tokens): summed losses per seed and document, a's loss per token higher than b's by ``delta``."""
+def _perplexity_data(
+    rng: np.random.Generator, delta: float, seed_sd: float, doc_sd: float, shared_sd: float = 0.0, seeds: int = 5
+):
+    """(a, b, tokens): summed losses per seed and document, a's loss per token higher than b's by ``delta``.
+
+    The difference has a seed effect (``seed_sd``), noise per seed and document (``doc_sd``) and a document effect
+    shared by every seed (``shared_sd``: a document one scheme models better whatever the seed), drawn afresh in every
+    trial: the documents are a sample, and ``delta`` is the difference over the population they are drawn from.
+    """
     tokens = rng.integers(200, 2000, DOCUMENTS).astype(float)
     base = rng.normal(2.0, 0.3, DOCUMENTS)
-    a = base + delta + rng.normal(0, seed_sd, (seeds, 1)) + rng.normal(0, doc_sd, (seeds, DOCUMENTS))
+    shared = rng.normal(0, shared_sd, DOCUMENTS)
+    a = base + delta + shared + rng.normal(0, seed_sd, (seeds, 1)) + rng.normal(0, doc_sd, (seeds, DOCUMENTS))
     b = base + rng.normal(0, seed_sd, (seeds, 1)) + rng.normal(0, doc_sd, (seeds, DOCUMENTS))
     return a * tokens, b * tokens, tokens
 
 
-@pytest.mark.parametrize(("seed_sd", "doc_sd"), [(0.1, 0.05), (0.0, 0.1)])
-def test_the_hierarchical_interval_covers_a_known_difference(seed_sd: float, doc_sd: float) -> None:
+def _nested_log_ratio(a, b, tokens, rng, resamples: int = 500) -> float:
+    """The standard error a nested bootstrap (documents drawn anew within each seed) gives: the design it replaced."""
+    seeds, documents = a.shape
+    drawn = rng.integers(0, seeds, size=(resamples, seeds))
+    counts = rng.multinomial(documents, np.full(documents, 1 / documents), size=(resamples, seeds))
+    per_seed = np.einsum("rsd,rsd->rs", counts, (a - b)[drawn]) / (counts @ tokens)
+    return float(np.std(per_seed.mean(axis=1), ddof=1)) * math.sqrt(seeds / (seeds - 1))
+
+
+@pytest.mark.parametrize(("seed_sd", "doc_sd", "shared_sd"), [(0.1, 0.05, 0.0), (0.0, 0.1, 0.0), (0.0, 0.02, 0.15)])
+def test_the_crossed_interval_covers_a_known_difference_at_five_seeds(seed_sd, doc_sd, shared_sd) -> None:
+    """A simulation of the design every comparison has: 5 seeds crossed with the same documents."""
     rng, trials = np.random.default_rng(1), 150
-    covered = 0
+    covered, ratios = 0, []
     for trial in range(trials):
-        a, b, tokens = _perplexity_data(rng, 0.05, seed_sd, doc_sd)
-        result = hierarchical_log_ratio(a, b, tokens, seed=trial, resamples=500)
+        a, b, tokens = _perplexity_data(rng, 0.05, seed_sd, doc_sd, shared_sd)
+        result = crossed_log_ratio(a, b, tokens, seed=trial, resamples=500)
         covered += result.low <= 0.05 <= result.high
-    assert 0.88 <= covered / trials <= 1.0  # 95% nominal: 0.94 measured where seeds dominate, above where not
+        ratios.append(_nested_log_ratio(a, b, tokens, rng) / _error(result))
+    assert 0.88 <= covered / trials <= 1.0  # 95% nominal
+    if shared_sd:  # documents shared by the seeds dominate: drawing them within each seed understates the error
+        assert np.mean(ratios) < 0.6  # about 1/√5: each seed's draw averages the shared effect down
+
+
+def _error(result) -> float:
+    """The standard error behind an interval (its half-width over Student's t at seeds − 1 degrees of freedom)."""
+    from scipy import stats
+
+    return (result.high - result.low) / 2 / stats.t.ppf(0.975, result.seeds - 1)
 
 
 def test_the_interval_widens_with_seed_variance_and_a_clear_difference_is_significant() -> None:
@@ -46,16 +74,16 @@ def test_the_interval_widens_with_seed_variance_and_a_clear_difference_is_signif
         offsets = np.linspace(-2, 2, 5)[:, None] * seed_sd  # the same seed pattern, scaled
         a = (2.2 + offsets + noise[0]) * tokens
         b = (2.0 - offsets + noise[1]) * tokens
-        result = hierarchical_log_ratio(a, b, tokens)
+        result = crossed_log_ratio(a, b, tokens)
         assert result.estimate == pytest.approx(0.2 + noise[0].mean() - noise[1].mean())
         widths.append(result.high - result.low)
         if seed_sd == 0.01:
             assert result.p_value < 1e-3 and result.low > 0
     assert widths[1] > 5 * widths[0]
-    one_seed = hierarchical_log_ratio(a[:1], b[:1], tokens)  # documents only: a t on the documents' count
+    one_seed = crossed_log_ratio(a[:1], b[:1], tokens)  # documents only: a t on the documents' count
     assert one_seed.low < one_seed.estimate < one_seed.high and one_seed.seeds == 1
     with pytest.raises(ValueError, match="seeds, documents"):
-        hierarchical_log_ratio(a, b[:, :3], tokens)
+        crossed_log_ratio(a, b[:, :3], tokens)
 
 
 def _recall_data(rng: np.random.Generator, delta: float, seed_sd: float, seeds: int = 5, windows: int = 128):

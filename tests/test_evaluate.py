@@ -14,7 +14,7 @@ import torch
 from helpers import FAST, compose_train
 from torch import nn
 
-from posenc.evaluate.perplexity import evaluate_lengths, scored_span
+from posenc.evaluate.perplexity import _windows, evaluate_lengths, scored_span
 from posenc.evaluate.tasks import (
     IGNORE,
     TaskDataset,
@@ -100,9 +100,10 @@ def stream(n: int = 5000) -> np.ndarray:
 @pytest.mark.parametrize("mode", ["nonoverlap", "sliding"])
 def test_uniform_model_has_vocab_perplexity_at_every_length(mode: str) -> None:
     rows = evaluate_lengths(Uniform(), stream(), [16, 32, 64, 128], mode=mode, stride=8, max_tokens=2048)
+    context = 128 - 8 if mode == "sliding" else 0  # what the longest length's windows need before their first score
     for row in rows:
         assert row.ppl == pytest.approx(VOCAB, rel=1e-6)  # fp32 logits
-        assert row.tokens == 2048 and row.bpb == pytest.approx(math.log2(VOCAB), rel=1e-6)
+        assert row.tokens == 2048 - context and row.bpb == pytest.approx(math.log2(VOCAB), rel=1e-6)
 
 
 def test_same_tokens_scored_at_every_length() -> None:
@@ -124,12 +125,34 @@ def test_sliding_with_stride_equal_to_length_is_nonoverlap() -> None:
         assert sliding.loss_by_position == disjoint.loss_by_position
 
 
+def _after(model, context: int, length: int = 64) -> float:
+    """The disjoint windows' mean loss over targets context+1..2048: what a sliding protocol scores."""
+    documents = (np.arange(5000) > context).astype(np.int64)  # owner of target t is documents[t]
+    (disjoint,) = evaluate_lengths(model, stream(), [length], max_tokens=2048, documents=documents)
+    return disjoint.document_loss[1] / disjoint.document_tokens[1]
+
+
 def test_sliding_scores_each_token_once_with_more_context() -> None:
     model = Counter()
     (sliding,) = evaluate_lengths(model, stream(), [64], mode="sliding", stride=16, max_tokens=2048)
     (disjoint,) = evaluate_lengths(model, stream(), [64], mode="nonoverlap", max_tokens=2048)
-    assert sliding.tokens == disjoint.tokens == 2048
+    assert disjoint.tokens == 2048 and sliding.tokens == 2048 - 48  # the first 48 targets are context only
     assert sliding.loss != disjoint.loss  # later positions (more context) are the ones scored
+
+
+def test_every_sliding_score_at_the_longest_length_sees_its_share_of_context() -> None:
+    """At the longest length a stream may hold one window: sliding then still differs from disjoint windows."""
+    for stride, length, span in ((1024, 2048, 2048), (1024, 2048, 4096), (48, 64, 2048)):
+        context = length - stride
+        windows = _windows(span, length, stride, context)
+        targets = [t for start, end, first in windows for t in range(start + 1 + first, end + 1)]
+        assert targets == list(range(context + 1, span + 1))  # every target after the context, once
+        assert min(first + 1 for _, _, first in windows) >= length - stride + 1  # context of its first scored target
+    model = Counter()
+    one_window = stream(2049)
+    (sliding,) = evaluate_lengths(model, one_window, [2048], mode="sliding", stride_fraction=0.5, max_tokens=None)
+    (disjoint,) = evaluate_lengths(model, one_window, [2048], mode="nonoverlap", max_tokens=None)
+    assert (sliding.tokens, disjoint.tokens) == (1024, 2048) and sliding.loss != disjoint.loss
 
 
 def test_sliding_with_a_stride_that_does_not_divide_scores_every_target_once() -> None:
@@ -138,18 +161,17 @@ def test_sliding_with_a_stride_that_does_not_divide_scores_every_target_once() -
     model = Bigram()
     for stride in (24, 40, 7):
         (sliding,) = evaluate_lengths(model, stream(), [64], mode="sliding", stride=stride, max_tokens=2048)
-        (disjoint,) = evaluate_lengths(model, stream(), [64], mode="nonoverlap", max_tokens=2048)
-        assert sliding.tokens == 2048
-        assert sliding.loss == pytest.approx(disjoint.loss, rel=1e-12), stride
+        assert sliding.tokens == 2048 - (64 - stride)
+        assert sliding.loss == pytest.approx(_after(model, 64 - stride), rel=1e-12), stride
 
 
 def test_a_stride_fraction_slides_each_length_by_its_share_and_scores_every_target_once() -> None:
     model = Bigram()
     lengths = [32, 64, 128]
-    (disjoint,) = evaluate_lengths(model, stream(), [32], mode="nonoverlap", max_tokens=2048)
     rows = evaluate_lengths(model, stream(), lengths, mode="sliding", stride_fraction=0.125, max_tokens=2048)
     assert [row.stride for row in rows] == [4, 8, 16] and {row.stride_fraction for row in rows} == {0.125}
-    assert all(row.loss == pytest.approx(disjoint.loss, rel=1e-12) for row in rows)  # context-free: same loss
+    expected = _after(model, 128 - 16)  # the same targets at every length: after the longest one's context
+    assert all(row.loss == pytest.approx(expected, rel=1e-12) for row in rows)  # context-free: same loss
     whole = evaluate_lengths(Counter(), stream(), lengths, mode="sliding", stride_fraction=1.0, max_tokens=2048)
     plain = evaluate_lengths(Counter(), stream(), lengths, mode="nonoverlap", max_tokens=2048)
     assert [r.loss for r in whole] == pytest.approx([r.loss for r in plain], rel=1e-12)  # a stride of N is disjoint

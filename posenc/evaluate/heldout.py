@@ -43,6 +43,8 @@ def heldout_perplexity(
     for row in rows:
         if row.document_loss is not None:
             row.document_loss = [row.document_loss[i] for i in record["documents"]]
+        if row.document_tokens is not None:
+            row.document_tokens = [row.document_tokens[i] for i in record["documents"]]
     return rows, record
 
 
@@ -72,6 +74,8 @@ def within_documents(
     for row in rows:
         if row.document_loss is not None:
             row.document_loss = [row.document_loss[i] for i in record["documents"]]
+        if row.document_tokens is not None:
+            row.document_tokens = [row.document_tokens[i] for i in record["documents"]]
     return rows, record
 
 
@@ -112,4 +116,8 @@ def _pool(rows: list[LengthResult]) -> LengthResult:
         size = max(len(row.document_loss) for row in rows)
         pooled.document_loss = sum(np.pad(row.document_loss, (0, size - len(row.document_loss))) for row in rows)
         pooled.document_loss = pooled.document_loss.tolist()
+    if all(row.document_tokens is not None for row in rows):
+        size = max(len(row.document_tokens) for row in rows)
+        pooled.document_tokens = sum(np.pad(row.document_tokens, (0, size - len(row.document_tokens))) for row in rows)
+        pooled.document_tokens = [int(n) for n in pooled.document_tokens]
     return pooled

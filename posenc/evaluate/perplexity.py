@@ -5,11 +5,13 @@ Two ways to cut a held-out stream into windows (the ALiBi paper, Section 4 and A
 - ``nonoverlap``: disjoint windows of length L; token t is predicted from the tokens since its window began,
   so early tokens of each window have little context. This is what the ALiBi paper's Table 2 reports.
 - ``sliding`` with ``stride`` s: windows of length L advance by s and only their last s targets are scored, so
-  every token (after the first L) sees L - s .. L - 1 tokens of context. ``stride = L`` is exactly ``nonoverlap``.
-  The first window scores all its L targets: a causal model predicts target t of the window starting at 0 from
-  tokens 0 .. t - 1 whatever the window's length, so the shorter windows at the start of the stream would only
-  repeat those predictions, each at a shape of its own (one compilation each on a GPU). When s does not divide
-  N - L, one last window ends exactly at N and scores the targets left over.
+  every scored token sees L - s .. L - 1 tokens of context. The first ``context`` targets of the stream are never
+  scored, at any length: they are context only, ``context`` being the most any evaluated length needs (L - s at
+  the longest), so that the first window of a stream scores only its last s targets too and every scored token,
+  the longest length's included, sees at least L - s tokens; the scored targets stay the same at every length. (A
+  first window scored whole would make the two protocols score one and the same window wherever the stream holds
+  a single window of the longest length.) When s does not divide what is left, one last window ends exactly at N
+  and scores the targets left over.
 
 Every window of a length has that length, and windows go in batches of one size plus at most one smaller batch:
 at most two input shapes per length, whatever the stride. A stride may also be a fraction of each evaluation length
@@ -46,6 +48,7 @@ class LengthResult:
     error: str | None = None
     loss_by_position: list[float] = field(default_factory=list)
     document_loss: list[float] | None = None  # summed loss of each document's scored targets (``documents`` order)
+    document_tokens: list[int] | None = None  # how many of each document's targets were scored
     stride_fraction: float | None = None
     windows: int = 0  # how many windows ``loss_by_position`` averages over
 
@@ -72,6 +75,7 @@ class LengthResult:
             "error": self.error,
             "loss_by_position": self.loss_by_position,
             "document_loss": self.document_loss,
+            "document_tokens": self.document_tokens,
             "stride_fraction": self.stride_fraction,
         }
 
@@ -94,18 +98,32 @@ def _stride(length: int, stride: int | None, fraction: float | None) -> int:
     return int(stride) if fraction is None else max(1, round(fraction * length))
 
 
-def _windows(span: int, length: int, stride: int) -> list[tuple[int, int, int]]:
-    """(input start, input end, first scored target index within the window) covering targets 1..span once each.
+def _windows(span: int, length: int, stride: int, context: int = 0) -> list[tuple[int, int, int]]:
+    """(input start, input end, first scored target index within the window) covering targets context+1..span once.
 
-    Every window is ``length`` long (``span`` is a multiple of ``length``); see the module docstring.
+    Every window is ``length`` long (``span`` is a multiple of ``length``); the first ``context`` targets are context
+    only, which needs ``context`` ≥ length − stride (a window never starts before the stream); see the module
+    docstring. Nonoverlapping windows are ``stride = length`` with no context.
     """
-    out = [(0, length, 0)]
-    scored = length  # targets 1..scored are done
+    if context < length - stride:
+        raise ValueError(f"{context} context tokens are too few for windows of {length} advancing by {stride}")
+    out = []
+    scored = context  # targets 1..scored are done (or context only)
     while scored < span:
         end = min(scored + stride, span)
         out.append((end - length, end, length - (end - scored)))
         scored = end
     return out
+
+
+def context_targets(lengths: Sequence[int], mode: str, stride: int | None, fraction: float | None) -> int:
+    """How many leading targets of a stream are context only (module docstring).
+
+    None for nonoverlapping windows; for sliding ones the most any length's windows need, L − s.
+    """
+    if mode != "sliding":
+        return 0
+    return max(length - min(_stride(length, stride, fraction), length) for length in lengths)
 
 
 @torch.no_grad()
@@ -136,6 +154,12 @@ def evaluate_lengths(
         )
     device = device or next(model.parameters()).device
     span = scored_span(len(tokens), lengths, max_tokens)
+    context = context_targets(lengths, mode, stride, stride_fraction)
+    if context >= span:
+        raise ValueError(
+            f"sliding windows keep the first {context} targets as context, and only {span} are scored: evaluate "
+            "more tokens (eval.max_tokens) or at shorter lengths"
+        )
     stream = torch.from_numpy(np.asarray(tokens[: span + 1]).astype(np.int64))
     owners = None if documents is None else np.asarray(documents[1 : span + 1], dtype=np.int64)
     was_training = model.training
@@ -144,7 +168,10 @@ def evaluate_lengths(
     try:
         for length in lengths:
             step = length if mode == "nonoverlap" else min(_stride(length, stride, stride_fraction), length)
-            result = LengthResult(length=length, mode=mode, stride=None if mode == "nonoverlap" else step, tokens=span)
+            scored = span - context
+            result = LengthResult(
+                length=length, mode=mode, stride=None if mode == "nonoverlap" else step, tokens=scored
+            )
             result.stride_fraction = stride_fraction if mode == "sliding" else None
             limit = getattr(model, "max_positions", None)
             if limit is not None and length > limit:
@@ -154,7 +181,7 @@ def evaluate_lengths(
             total = torch.zeros((), dtype=torch.float64)
             by_position = torch.zeros(length, dtype=torch.float64)
             per_target = torch.zeros(span + 1, dtype=torch.float64)  # the loss of target t at index t (1..span)
-            windows = _windows(span, length, step)
+            windows = _windows(span, length, step, context)
             batch = max(1, tokens_per_batch // length)
             for group in (windows[i : i + batch] for i in range(0, len(windows), batch)):
                 inputs = torch.stack([stream[s:e] for s, e, _ in group]).to(device)
@@ -165,11 +192,12 @@ def evaluate_lengths(
                     total += losses[row, first:].sum()
                     by_position += losses[row]
                     per_target[start + 1 + first : end + 1] = losses[row, first:]
-            result.loss = float(total / span)
+            result.loss = float(total / scored)
             result.loss_by_position = (by_position / len(windows)).tolist()
             result.windows = len(windows)
             if owners is not None:
                 result.document_loss = np.bincount(owners, weights=per_target[1:].numpy()).tolist()
+                result.document_tokens = np.bincount(owners[context:], minlength=len(result.document_loss)).tolist()
             results.append(result)
     finally:
         model.train(was_training)

@@ -6,9 +6,9 @@ default ALiBi and NoPE: the best-known fixed prior and no prior at all), at ever
 under each protocol and for MQAR recall. Every test of the report goes into one family, whose p-values are
 adjusted together by Holm's method, so the chance of any false "separated" claim in the whole section stays at 5%.
 
-- Perplexity: the log ratio log(ppl_column / ppl_reference), paired by seed, with the hierarchical bootstrap (seeds,
-  then the scored documents within each seed: ``posenc/evaluate/bootstrap.py``) where every run recorded its loss per
-  document over the same documents; otherwise the paired t-test over the seeds alone, marked ᵗ.
+- Perplexity: the log ratio log(ppl_column / ppl_reference), paired by seed, with the crossed bootstrap (seeds and
+  the scored documents, one draw of documents shared by every seed: ``posenc/evaluate/bootstrap.py``) where every run
+  recorded its loss per document over the same documents; otherwise the paired t-test over the seeds alone, marked ᵗ.
 - Recall (MQAR, the rate-selected columns of the retrieval section): the difference of exact-match accuracy, paired
   by seed, with the crossed bootstrap over seeds and evaluation windows (a window's answers share their context).
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from posenc.evaluate.bootstrap import BootstrapResult, crossed_difference, hierarchical_log_ratio
+from posenc.evaluate.bootstrap import BootstrapResult, crossed_difference, crossed_log_ratio
 from posenc.evaluate.stats import ALPHA, holm, paired_comparison
 from posenc.report.common import Columns, order
 from posenc.report.perplexity import group_runs, protocol, value
@@ -69,10 +69,11 @@ def perplexity_test(pairs_: list[tuple[dict[str, Any], dict[str, Any]]], length:
         return None
     losses = [(_document_loss(x, length), _document_loss(y, length)) for x, y in kept]
     records = [run.get("documents") or {} for pair in kept for run in pair]
-    same_documents = len({repr((r.get("documents"), r.get("tokens"))) for r in records}) == 1
-    if same_documents and records[0].get("tokens") and all(a is not None and b is not None for a, b in losses):
-        tokens = np.asarray(records[0]["tokens"], dtype=float)
-        result = hierarchical_log_ratio([a for a, _ in losses], [b for _, b in losses], tokens, seed=length)
+    scored = {repr(_document_tokens(run, length)) for pair in kept for run in pair}
+    same_documents = len({repr(r.get("documents")) for r in records}) == 1 and len(scored) == 1
+    tokens = _document_tokens(kept[0][0], length)
+    if same_documents and tokens and all(a is not None and b is not None for a, b in losses):
+        result = crossed_log_ratio([a for a, _ in losses], [b for _, b in losses], np.asarray(tokens), seed=length)
         return _record(result)
     logs = [(math.log(value(x, length, "ppl")), math.log(value(y, length, "ppl"))) for x, y in kept]
     c = paired_comparison([x for x, _ in logs], [y for _, y in logs])
@@ -120,10 +121,11 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
         "",
         f"Every column against {', '.join(references)} at every length, named before the results were read; the "
         f"{len(tests)} tests of this section are one family, their p-values adjusted together by Holm's method. "
-        "Perplexity: the ratio to the reference, paired by seed, with its 95% interval from the hierarchical "
-        "bootstrap (seeds, then documents within each seed; ᵗ: the paired t interval over seeds, where per-document "
-        "losses were not recorded); recall: the difference of exact-match accuracy with its 95% interval from the "
-        "bootstrap over seeds × evaluation windows. Intervals: bootstrap standard error with Student's t at seeds − 1 "
+        "Perplexity: the ratio to the reference, paired by seed, with its 95% interval from the crossed "
+        "bootstrap (seeds and documents, one draw of documents shared by every seed and column; ᵗ: the paired t "
+        "interval over seeds, where per-document losses were not recorded); recall: the difference of exact-match "
+        "accuracy with its 95% interval from the bootstrap over seeds × evaluation windows. Intervals: bootstrap "
+        "standard error with Student's t at seeds − 1 "
         f"degrees of freedom. p: Holm-adjusted; {SEPARATED}: p < {ALPHA:g}, {NOT_SEPARATED}: not separated.",
     ]
     for title, (train_len, kind) in tables.items():
@@ -164,6 +166,19 @@ def _finite(x: float | None) -> bool:
 def _document_loss(run: dict[str, Any], length: int) -> list[float] | None:
     row = next((r for r in run.get("perplexity") or [] if r["length"] == length and r["error"] is None), None)
     return None if row is None else row.get("document_loss")
+
+
+def _document_tokens(run: dict[str, Any], length: int) -> list[float] | None:
+    """The targets scored in each document at ``length``.
+
+    The row's own count (a sliding protocol keeps a stream's first targets as context), else the documents record's
+    (every target scored).
+    """
+    row = next((r for r in run.get("perplexity") or [] if r["length"] == length and r["error"] is None), None)
+    if row is not None and row.get("document_tokens") is not None:
+        return [float(n) for n in row["document_tokens"]]
+    tokens = (run.get("documents") or {}).get("tokens")
+    return [float(n) for n in tokens] if tokens else None
 
 
 def _window_accuracy(run: dict[str, Any], length: int) -> list[float] | None:
