@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from posenc.encodings.base import PositionalEncoding
 
@@ -71,6 +71,43 @@ def bias_by_distance(scheme: PositionalEncoding, max_distance: int) -> dict[str,
         "source": " + ".join(sources),
         "by_head": bias.cpu().tolist(),
     }
+
+
+def query_rows(length: int) -> list[int]:
+    """The query positions a bias function is read at: the last of a window of ``length``, a half and a quarter in.
+
+    A bias that depends on the query's position (FIRE's, past its threshold) differs between them.
+    """
+    return sorted({length - 1, (length - 1) // 2, (length - 1) // 4})
+
+
+@torch.no_grad()
+def bias_function(scheme: PositionalEncoding, length: int) -> Tensor | None:
+    """The positional bias (H, rows, length) a window of ``length`` gives, each row's constant removed; or ``None``.
+
+    Rows are the queries of ``query_rows``, each over every key (the keys behind it: 0 beyond). Softmax ignores a
+    constant added to a whole row, so each row is centred over the keys it sees: a parameter that only moves such a
+    constant (FIRE's output bias) moves nothing attention sees, and the function does not move either. A content bias
+    is read at zero content, as ``bias_by_distance`` reads it. ``None`` for a scheme without a bias.
+    """
+    if not (scheme.adds_bias or scheme.adds_content_bias):
+        return None
+    device = next((t.device for t in [*scheme.parameters(), *scheme.buffers()]), torch.device("cpu"))
+    rows = torch.tensor(query_rows(length), device=device)
+    keys = torch.arange(length, device=device)
+    bias = torch.zeros(scheme.num_heads, len(rows), length, device=device)
+    if scheme.adds_bias:
+        bias += scheme.bias(rows, keys).float()
+    if scheme.adds_content_bias:
+        q = torch.zeros(1, scheme.num_heads, len(rows), scheme.head_dim, device=device)
+        k = torch.zeros(1, scheme.num_heads, length, scheme.head_dim, device=device)
+        features = None
+        if scheme.reads_layer_input:
+            features = scheme.token_features(torch.zeros(1, length, scheme.num_heads * scheme.head_dim, device=device))
+        bias += scheme.content_bias(q, k, rows, keys, features=features).float()[0]
+    seen = (keys[None, :] <= rows[:, None]).float()  # (rows, length)
+    mean = (bias * seen).sum(-1, keepdim=True) / seen.sum(-1, keepdim=True)
+    return (bias - mean) * seen  # on the scheme's device: a caller that keeps it moves it
 
 
 def first_layer_bias(model: nn.Module, max_length: int) -> dict[str, Any] | None:

@@ -23,13 +23,17 @@ from posenc.training.identity import columns
 FIXED = "fixed"  # a column whose scheme has no trainable positional parameter
 STILL, BARELY, SETTLED = "still moving", "barely moved", "settled"
 DRIFT_LEGEND = (
-    "Change is relative to the tensor's initial size, ‖θ_end − θ_ref‖ / ‖θ_ref‖ (a tensor that starts near zero is "
-    "measured against an RMS of 0.01 per entry), the largest over every scheme tensor of every layer; cells are the "
-    "mean over seeds ± the half-width of its 95% Student-t interval. "
-    f"**{STILL}**: in some seed a tensor changed by more than {STILL_MOVING:g} over the last 10% of steps (its "
-    f"final value depends on when training stopped); **{BARELY}**: in some seed no tensor changed by "
-    f"{BARELY_MOVED:g} in all (the scheme is still close to its initialisation); {FIXED}: no trainable positional "
-    "parameter. A learnable scheme marked either way is not compared as learned."
+    "Change is measured on what attention sees where the scheme has a bias: each layer's bias over a window of the "
+    "training length (three query rows over every key), each row's constant removed, since softmax ignores it; a "
+    "scheme without a bias is measured on its tensors. Change is relative to the initial size, ‖f_end − f_ref‖ / "
+    "‖f_start‖ (a function or tensor that starts near zero is measured against an RMS of 0.01 per entry), the "
+    "largest over the layers; cells are the mean over seeds ± the half-width of its 95% Student-t interval. "
+    f"**{STILL}**: in some seed the last 10% of training moved it at more than {STILL_MOVING:g} of its average speed, "
+    "each per unit of learning rate spent (its final value depends on when training stopped, whatever the step "
+    f"count); **{BARELY}**: in some seed it changed by less than {BARELY_MOVED:g} in all (still close to its "
+    f"initialisation); {FIXED}: no trainable positional parameter. A learnable scheme marked either way is not "
+    "compared as learned. (Runs recorded before the function was watched were marked by their tensors, with a last "
+    "tenth's change above 0.05 as still moving; their records say which.)"
 )
 
 
@@ -57,11 +61,10 @@ def column_mark(runs: list[dict[str, Any]]) -> str:
     records = [run.get("positional_drift") for run in runs]
     if all(record is None for record in records):
         return FIXED
-    marks = []
-    lates = [r["max_late_change"] for r in records if r is not None and r["max_late_change"] is not None]
-    if any(late > STILL_MOVING for late in lates):
+    marks = []  # each record's own marks: the rule it was measured by is the one its run recorded
+    if any(r is not None and r.get("still_moving") for r in records):
         marks.append(STILL)
-    if any(r is not None and r["max_total_change"] < BARELY_MOVED for r in records):
+    if any(r is not None and r.get("barely_moved") for r in records):
         marks.append(BARELY)
     return ", ".join(f"**{m}**" for m in marks) or SETTLED
 
@@ -69,6 +72,11 @@ def column_mark(runs: list[dict[str, Any]]) -> str:
 def _seeds_with(runs: list[dict[str, Any]], test: Any) -> str:
     records = [run["positional_drift"] for run in runs if run.get("positional_drift") is not None]
     return f"{sum(1 for r in records if test(r))}/{len(records)}" if records else "—"
+
+
+def _measured_on(runs: list[dict[str, Any]]) -> str:
+    records = [run["positional_drift"] for run in runs if run.get("positional_drift") is not None]
+    return ", ".join(sorted({r.get("measured_on", "tensors") for r in records})) or "—"
 
 
 def _change_cells(by_label: Columns, labels: list[str], name: str) -> dict[str, str]:
@@ -86,16 +94,17 @@ def drift_tables(results: list[dict[str, Any]], appendix: Appendix | None = None
         out += [f"## {title}", "", DRIFT_LEGEND, ""]
         out += table_head(by_label, labels, first="| figure | ", title=title, appendix=appendix)
 
-        total, late = (_change_cells(by_label, labels, name) for name in ("max_total_change", "max_late_change"))
+        total, late, speed = (
+            _change_cells(by_label, labels, name)
+            for name in ("max_total_change", "max_late_change", "late_speed_ratio")
+        )
         rows = {
             "largest total change": [total[x] for x in labels],
             "largest change over the last 10%": [late[x] for x in labels],
-            "seeds still moving": [
-                _seeds_with(by_label[x], lambda r: (r["max_late_change"] or 0) > STILL_MOVING) for x in labels
-            ],
-            "seeds barely moved": [
-                _seeds_with(by_label[x], lambda r: r["max_total_change"] < BARELY_MOVED) for x in labels
-            ],
+            "last 10%'s speed / average speed": [speed[x] for x in labels],
+            "seeds still moving": [_seeds_with(by_label[x], lambda r: bool(r.get("still_moving"))) for x in labels],
+            "seeds barely moved": [_seeds_with(by_label[x], lambda r: bool(r.get("barely_moved"))) for x in labels],
+            "measured on": [_measured_on(by_label[x]) for x in labels],
             "mark": [column_mark(by_label[x]) for x in labels],
         }
         out += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]

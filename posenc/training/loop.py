@@ -139,7 +139,7 @@ def fit(
         ),
         accounting_callback := TokenAccounting(trainer_cfg["max_steps"], resume_step),
         SaveOnInterrupt(run_dir / CHECKPOINT, resume_command or f"resume=last in {run_dir}"),
-        drift := PositionalDrift(trainer_cfg["max_steps"]),
+        drift := PositionalDrift(trainer_cfg["max_steps"], seq_len),
     ]
     if loggers:  # it only logs, and refuses to run without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
