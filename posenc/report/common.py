@@ -208,11 +208,66 @@ def table_head(
     """
     if appendix is not None and title is not None:
         appendix.add(title, by_label)
-    header = first + " | ".join(f"{label} (n={len(by_label[label])} · {trained(by_label[label])})" for label in labels)
+    gaps = {label: coverage_gaps(by_label[label]) for label in labels}
+    header = first + " | ".join(
+        f"{label}{UNREACHED if gaps[label] else ''} (n={len(by_label[label])} · {trained(by_label[label])})"
+        for label in labels
+    )
     out = [header + " |", "|---:" * first.count("|", 1) + "|" + "---:|" * len(labels)]
     differ = differences({label: by_label[label] for label in labels})
+    tuned = tuned_settings({label: by_label[label] for label in labels})
+    if tuned:  # learning rates each scheme was given by one tuning: said as such, not as a difference
+        differ = {label: [d for d in found if not d.startswith(TUNED_KEYS)] for label, found in differ.items()}
+        out = [tuned, "", *out]
     schemes = {label.split(" · ")[0] for label in labels}  # within one scheme, the labels name the difference
     if len(schemes) > 1 and any(differ.values()):
         notes = "; ".join(f"{label}: {', '.join(differ[label])}" for label in labels)
         out = [f"**These columns differ in more than their scheme** — {notes}.", "", *out]
+    context = scored_on({label: by_label[label] for label in labels})
+    out = ([context, ""] if context else []) + out
+    if any(gaps.values()):
+        notes = "; ".join(f"{label}: {gaps[label]}" for label in labels if gaps[label])
+        out += ["", f"{UNREACHED} reads positional parameters that training at its length never reached — {notes}."]
     return out
+
+
+UNREACHED = "†"
+TUNED_KEYS = ("optim.lr=", "optim.scheme_lr_multiplier=", "optim.tuned=")
+
+
+def coverage_gaps(runs: Sequence[dict[str, Any]]) -> str:
+    """What a column's runs left untrained (their ``coverage`` records), one phrase per parameter; "" when nothing."""
+    notes = {
+        f"{gap['scheme']} {gap['parameter']}: {gap['note']}"
+        for run in runs
+        for gap in (run.get("coverage") or {}).get("gaps", [])
+    }
+    return "; ".join(sorted(notes))
+
+
+def tuned_settings(by_label: Columns) -> str:
+    """The line saying which learning rates each column was selected with, when every run took them from one tuning."""
+    records = {label: [run.get("config", {}).get("tuning") for run in runs] for label, runs in by_label.items()}
+    sources = {record.get("from") for found in records.values() for record in found if record}
+    if len(sources) != 1 or not all(all(found) for found in records.values()):
+        return ""
+    first = next(iter(records.values()))[0]
+    chosen = "; ".join(
+        f"{label}: lr {found[0]['lr']:g}, ×{found[0]['scheme_lr_multiplier']:g}" for label, found in records.items()
+    )
+    return (
+        f"Learning rates selected per scheme on the {first.get('split')} split by one rule ({first.get('rule')}), "
+        f"from {next(iter(sources))}: {chosen}."
+    )
+
+
+def scored_on(by_label: Columns) -> str:
+    """The split the cells were scored on and the budget the columns trained for, in tokens a parameter."""
+    runs = [run for found in by_label.values() for run in found]
+    splits = sorted({str((run.get("eval") or {}).get("split") or "validation") for run in runs})
+    budgets = sorted({round(run["budget"]["tokens_per_parameter"], 1) for run in runs if run.get("budget")})
+    parts = [f"Scored on the {' and '.join(splits)} split"]
+    if budgets:
+        shown = f"{budgets[0]:g}" if len(budgets) == 1 else f"{budgets[0]:g}–{budgets[-1]:g}"
+        parts.append(f"trained for {shown} tokens a parameter")
+    return "; ".join(parts) + "." if any(run.get("budget") for run in runs) or splits != ["validation"] else ""
