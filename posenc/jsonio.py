@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import json
 import math
 import os
@@ -136,6 +137,34 @@ def write_text(path: Path, text: str) -> None:
 def write_json(path: Path, data: Any, indent: int = 2) -> None:
     """``write_bytes`` of strict JSON (``dumps``)."""
     write_text(path, dumps(data, indent=indent))
+
+
+KEPT = ".gz"  # a record kept beside a study: compressed, so that the repository stays small
+
+
+def write_kept(path: Path, data: Any) -> Path:
+    """``path`` + ``.gz``: strict, compact JSON compressed (``gzip``, a fixed time stamp: the same bytes each time)."""
+    target = path.with_name(path.name + KEPT)
+    compact = json.dumps(clean(data), separators=(",", ":"), default=str, allow_nan=False)
+    write_bytes(target, gzip.compress(compact.encode(), mtime=0))
+    return target
+
+
+def record_path(path: Path) -> Path | None:
+    """Where a record named ``path`` lies: the file itself, else its kept (compressed) copy; ``None`` if neither."""
+    if path.is_file():
+        return path
+    kept = path.with_name(path.name + KEPT)
+    return kept if kept.is_file() else None
+
+
+def read_record(path: Path) -> Any:
+    """The JSON a record holds, whether plain or kept compressed (``write_kept``); raises ``OSError`` if neither."""
+    found = record_path(path) if not path.name.endswith(KEPT) else path
+    if found is None:
+        raise FileNotFoundError(f"no {path.name} in {path.parent}")
+    raw = found.read_bytes()
+    return json.loads(gzip.decompress(raw) if found.name.endswith(KEPT) else raw)
 
 
 def _reserve(descriptor: int, length: int) -> None:

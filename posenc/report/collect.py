@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate import RESULTS_FILE
+from posenc.jsonio import KEPT, read_record, record_path
 from posenc.runs import CHECKPOINT, DONE_FILE, FAILED_FILE, RUN_FILE
 
 
@@ -21,10 +22,10 @@ def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = Non
     found: list[dict[str, Any]] = []
     for raw in paths:
         path = Path(raw)
-        files = [path] if path.is_file() else _visible(path, path.rglob(RESULTS_FILE))
+        files = [path] if path.is_file() else _visible(path, [*path.rglob(RESULTS_FILE), *path.rglob(KEPT_RESULTS)])
         for file in files:
             try:
-                data = json.loads(file.read_text())
+                data = read_record(file)
                 if not isinstance(data, dict) or "label" not in data or "train_len" not in data:
                     raise ValueError("not a posenc results file")
             except (OSError, UnicodeDecodeError, ValueError) as err:
@@ -34,14 +35,18 @@ def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = Non
             data["_source"] = str(file)
             data.setdefault("training", _recorded_training(file))
             found.append(data)
-        for file in [] if path.is_file() else _visible(path, path.rglob(FAILED_FILE)):
+        failures = [*path.rglob(FAILED_FILE), *path.rglob(FAILED_FILE + KEPT)]
+        for file in [] if path.is_file() else _visible(path, failures):
             try:
-                record = json.loads(file.read_text())
+                record = read_record(file)
                 found.append({"failed": record["reason"], "run_name": record["run_name"], "_source": str(file)})
             except (OSError, UnicodeDecodeError, ValueError, KeyError) as err:
                 if unreadable is not None:
                     unreadable.append(f"{file}: {_why(err)}")
     return found
+
+
+KEPT_RESULTS = RESULTS_FILE + KEPT  # a study's kept copy (posenc/report/study.py)
 
 
 def _visible(root: Path, files: Iterable[Path]) -> list[Path]:
@@ -66,12 +71,12 @@ def _recorded_training(results_file: Path) -> dict[str, Any]:
     run = folder.parent if folder.name.startswith("eval") else folder
     record: dict[str, Any] = {}
     try:
-        if (run / RUN_FILE).is_file():
-            summary = json.loads((run / RUN_FILE).read_text())
+        if record_path(run / RUN_FILE) is not None:
+            summary = read_record(run / RUN_FILE)
             record = {"steps": summary.get("steps"), "tokens": summary.get("tokens")}
     except (OSError, UnicodeDecodeError, ValueError):
         record = {}
-    if (run / CHECKPOINT).is_file() and not (run / DONE_FILE).is_file():
+    if (run / CHECKPOINT).is_file() and record_path(run / DONE_FILE) is None:
         record["finished"] = False
     return record
 

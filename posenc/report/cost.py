@@ -20,13 +20,13 @@ cost.
 
 from __future__ import annotations
 
-import json
 import statistics
 import textwrap
 from pathlib import Path
 from typing import Any
 
 from posenc.evaluate import RATIO_MIN_SPAN
+from posenc.jsonio import read_record
 from posenc.report.benchcost import bench_speeds, measured_steps, train_len
 from posenc.report.common import Columns, Key, interval, order, run_dir
 from posenc.report.perplexity import group_runs, protocol, suffix, value
@@ -44,7 +44,7 @@ def run_record(run: dict[str, Any]) -> dict[str, Any] | None:
     if not run.get("_source"):
         return None
     try:
-        return json.loads((Path(run_dir(run)) / RUN_FILE).read_text())
+        return read_record(Path(run_dir(run)) / RUN_FILE)
     except (OSError, UnicodeDecodeError, ValueError):
         return None
 

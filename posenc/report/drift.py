@@ -220,7 +220,7 @@ def _curve_figure(lines: dict[str, tuple[list[int], list[float], int]], train_le
         ax.legend(fontsize=6, loc="lower right")
     fig.suptitle(f"Positional parameters by step, trained at L={train_len} (seeds' mean; dotted: 'barely moved')")
     fig.tight_layout()
-    return _save(fig, plt, path)
+    return _save(fig, path)
 
 
 def _panels(plt: Any, count: int, size: tuple[float, float]) -> tuple[Any, list[Any]]:
@@ -234,12 +234,11 @@ def _panels(plt: Any, count: int, size: tuple[float, float]) -> tuple[Any, list[
     return fig, axes[:count]
 
 
-def _save(fig: Any, plt: Any, path: Path) -> Path:
+def _save(fig: Any, path: Path) -> Path:
+    from posenc.evaluate.plots import save_figure  # matplotlib only when plotting
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.stem}.partial.png")
-    fig.savefig(partial, dpi=110)
-    plt.close(fig)
-    partial.replace(path)
+    save_figure(fig, path, dpi=110)
     return path
 
 
@@ -311,4 +310,4 @@ def _bias_figure(curves: dict[str, dict[str, Any]], train_len: int, path: Path) 
     axes[0].legend(fontsize=6)
     fig.suptitle(f"First-layer bias by distance, per head (lowest seed; dashed: training length {train_len})")
     fig.tight_layout()
-    return _save(fig, plt, path)
+    return _save(fig, path)

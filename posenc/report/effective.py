@@ -1,9 +1,10 @@
 """The effective-length section: per training length and rule, one row per metric and one column per scheme.
 
 A run's effective length for a metric is the longest evaluated length up to which that metric holds up
-(``posenc.evaluate.effective``), under two rules, each in a table that names it: the **absolute** rule (RULER's:
-one threshold for every column of the table, a fixed one from the runs' settings or the report's options, else
-the fraction × the best in-length figure among the table's columns) and the **relative** rule (each run against its
+(``posenc.evaluate.effective``), under two rules, each in a table that names it: the **absolute** rule (one threshold
+for every column of the table: RULER's where it is an accuracy fixed by the runs' settings or the report's options,
+posenc's own where it is the fraction × the best in-length figure among the table's columns, which moves with the
+columns compared) and the **relative** rule (each run against its
 own in-length figure). The absolute rule comes first: it is the default for tasks, and the one that does not reward a
 model that starts badly and stays flat.
 
@@ -73,8 +74,15 @@ def rule_text(rule: str, thresholds: Mapping[str, float], shared: Mapping[str, A
     if shared["acc_threshold"] is None and any(metric != "ppl" for metric in thresholds):
         sources.append(f"accuracy: {shared['acc_fraction']:g}× the best in-length accuracy of the table's columns")
     shown = ", ".join(f"{metric} {'≤' if metric == 'ppl' else '≥'} {value:.4g}" for metric, value in thresholds.items())
+    whose = (
+        "posenc's shared-threshold rule: it moves with the columns compared"
+        if sources
+        else "RULER's rule: a threshold fixed in advance"
+        if shared["acc_threshold"] is not None and not any(m == "ppl" for m in thresholds)
+        else "a threshold fixed in advance"
+    )
     return (
-        f"**Absolute rule** (RULER's): one threshold per metric for every column — {shown}"
+        f"**Absolute rule** ({whose}): one threshold per metric for every column — {shown}"
         + (f" ({'; '.join(sources)})" if sources else " (fixed)")
         + "; an accuracy must also stay above its floor."
     )

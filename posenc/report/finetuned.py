@@ -9,13 +9,13 @@ lengths. Each row is one run (n = 1): there are no seeds to pool.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from posenc.evaluate import RESULTS_FILE
+from posenc.jsonio import read_record
 from posenc.report.common import Appendix, run_dir
 from posenc.runs import RUN_FILE
 
@@ -24,7 +24,7 @@ Results = list[dict[str, Any]]
 
 def _read(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text())
+        data = read_record(path)
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from posenc.evaluate.bootstrap import BootstrapResult, crossed_difference, crossed_log_ratio
+from posenc.evaluate.effective import learned
 from posenc.evaluate.stats import ALPHA, holm, paired_comparison
 from posenc.report.common import Columns, order
 from posenc.report.perplexity import group_runs, protocol, value
@@ -108,10 +109,12 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
     for (train_len, mode, stride), by_label in sorted(group_runs(results).items(), key=lambda item: str(item[0])):
         title = f"Perplexity, trained at L={train_len} — {protocol(mode, stride)}"
         compare(title, train_len, by_label, "perplexity", perplexity_test, "ppl")
+    unlearned: list[str] = []
     for train_len, all_columns in sorted(task_columns(results, "mqar").items()):
-        compare(
-            f"MQAR recall, trained at L={train_len}", train_len, selected(all_columns)[0], "mqar", recall_test, "recall"
-        )
+        title = f"MQAR recall, trained at L={train_len}"
+        columns, left_out = learned_seeds(selected(all_columns)[0], train_len)
+        unlearned += [f"{title}: {note}" for note in left_out]
+        compare(title, train_len, columns, "mqar", recall_test, "recall")
     if not tests:
         return []
     adjusted = holm({str(index): test[4]["p"] for index, test in enumerate(tests)})
@@ -128,6 +131,13 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
         "standard error with Student's t at seeds − 1 "
         f"degrees of freedom. p: Holm-adjusted; {SEPARATED}: p < {ALPHA:g}, {NOT_SEPARATED}: not separated.",
     ]
+    if unlearned:
+        out += [
+            "",
+            "Recall is compared only where it was learned: each column by its seeds that learned MQAR at the training "
+            "length (k of n), since past it a seed that never learned measures its failure at 1×, not extrapolation. "
+            "Left out: " + "; ".join(unlearned) + ".",
+        ]
     for title, (train_len, kind) in tables.items():
         mine = [(index, test) for index, test in enumerate(tests) if test[0] == title]
         for reference in dict.fromkeys(test[2] for _, test in mine):
@@ -143,6 +153,23 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
                     cells.append(_cell(found[0][1][4], adjusted[str(found[0][0])], kind) if found else "—")
                 out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
     return out
+
+
+def learned_seeds(by_label: Columns, train_len: int) -> tuple[Columns, list[str]]:
+    """Each MQAR column with only its seeds that learned at ``train_len``, and a note for each seed or column left out.
+
+    A column none of whose seeds learned "did not learn" and leaves the comparisons.
+    """
+    kept: Columns = {}
+    notes = []
+    for label, runs in by_label.items():
+        mine = [run for run in runs if learned(run.get("mqar") or [], train_len)]
+        if len(mine) < len(runs):
+            verdict = "did not learn" if not mine else "learned"
+            notes.append(f"{label} {verdict} ({len(mine)} of {len(runs)} seeds)")
+        if mine:
+            kept[label] = mine
+    return kept, notes
 
 
 def _cell(result: dict[str, Any], p: float, kind: str) -> str:

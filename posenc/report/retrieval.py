@@ -16,7 +16,6 @@ For each retrieval task and training length:
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate.effective import learned
 from posenc.evaluate.stats import bootstrap_mean
+from posenc.jsonio import read_record
 from posenc.report.common import Appendix, Columns, order, run_dir, table_head
 from posenc.report.tasks import ACCURACY_LEGEND, accuracy_cell, chance_note, task_columns
 from posenc.runs import RUN_FILE
@@ -38,7 +38,7 @@ def validation_curve(run: dict[str, Any]) -> list[dict[str, Any]]:
     if not run.get("_source"):
         return []
     try:
-        record = json.loads((Path(run_dir(run)) / RUN_FILE).read_text())
+        record = read_record(Path(run_dir(run)) / RUN_FILE)
     except (OSError, UnicodeDecodeError, ValueError):
         return []
     return [point for point in record.get("val_curve") or [] if point.get("accuracy") is not None]

@@ -12,7 +12,6 @@ reading of the tables, the study's history) is kept when the block is rewritten.
 from __future__ import annotations
 
 import datetime
-import json
 import re
 import shutil
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posenc.jsonio import write_text
+from posenc.jsonio import KEPT, read_record, record_path, write_kept, write_text
 from posenc.report.benchcost import BENCH_FILE, find_bench
 from posenc.report.build import build_report
 from posenc.report.collect import find_results
@@ -182,9 +181,11 @@ STUDIES = {
 
 
 def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[dict[str, Any]] = ()) -> None:
-    """Copy each run's records (never a checkpoint) into ``records/<run>/``, replacing what was there.
+    """Keep each run's records (never a checkpoint) in ``records/<run>/``, compressed, replacing what was there.
 
-    A benchmark's record (``find_bench``) goes to ``records/bench-<i>/``, in the same staged copy.
+    Only what the report reads, and compressed (``write_kept``): of the loss by position only the longest window's,
+    which a figure draws (``_rounded``), everything else as recorded. A benchmark's record
+    (``find_bench``) goes to ``records/bench-<i>/``, in the same staged copy.
     """
     staging = records.with_name(records.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
@@ -194,10 +195,14 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
         target = staging / names[source]
         results_file = Path(run["_source"])
         if not run.get("failed"):
-            relative = results_file.relative_to(source)
-            (target / relative.parent).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(results_file, target / relative)
-        for record in (*RECORD_FILES, "failed.json", *_older_curve(run)):
+            relative = results_file.relative_to(source).as_posix().removesuffix(KEPT)
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            write_kept(target / relative, _rounded(read_record(results_file)))
+        for record in (*RECORD_FILES, "failed.json"):
+            if record_path(source / record) is not None:
+                (target / record).parent.mkdir(parents=True, exist_ok=True)
+                write_kept(target / record, read_record(source / record))
+        for record in _older_curve(run):
             if (source / record).is_file():
                 (target / record).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source / record, target / record)
@@ -206,6 +211,20 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
         shutil.copyfile(record["_source"], staging / f"bench-{index}" / BENCH_FILE)
     shutil.rmtree(records, ignore_errors=True)
     staging.rename(records) if staging.exists() else records.mkdir(parents=True, exist_ok=True)
+
+
+def _rounded(result: dict[str, Any]) -> dict[str, Any]:
+    """A result with only the loss by position a report draws: the longest window's, to three decimals.
+
+    The figure draws the longest window's curve alone, and a thousandth of a nat is below its pixel; kept whole, the
+    curves of every length were most of a record's size.
+    """
+    by_position = result.get("loss_by_position")
+    if not isinstance(by_position, dict) or not by_position:
+        return result
+    longest = max(by_position, key=int)
+    curve = [None if v is None else round(v, 3) for v in by_position[longest]]
+    return {**result, "loss_by_position": {longest: curve}}
 
 
 def _record_names(results: list[dict[str, Any]]) -> dict[Path, str]:
@@ -272,7 +291,7 @@ def _record(run: dict[str, Any]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for name in RECORD_FILES:
         try:
-            merged |= json.loads((Path(run_dir(run)) / name).read_text())
+            merged |= read_record(Path(run_dir(run)) / name)
         except (OSError, ValueError):
             continue
     return merged

@@ -21,7 +21,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from posenc.config import CONF_DIR
-from posenc.runs import DONE_FILE, INTRODUCED, experiment_settings, read_json
+from posenc.jsonio import read_record, record_path
+from posenc.runs import DONE_FILE, INTRODUCED, experiment_settings
 
 # Never part of an identity: the seed is what is pooled over; paths name where data lies (the fingerprint says
 # what it is); the training config's own eval section is replaced by the settings the results were made with.
@@ -67,8 +68,8 @@ def _saved_config(result: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     run_dir = Path(source).parent.parent
     try:
-        if (run_dir / DONE_FILE).is_file():
-            return read_json(run_dir / DONE_FILE).get("config")
+        if record_path(run_dir / DONE_FILE) is not None:
+            return read_record(run_dir / DONE_FILE).get("config")
         saved = run_dir / ".hydra" / "config.yaml"
         if saved.is_file():
             return OmegaConf.to_container(OmegaConf.load(saved), resolve=True)  # type: ignore[return-value]
