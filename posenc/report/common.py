@@ -223,12 +223,15 @@ def table_head(
     if len(schemes) > 1 and any(differ.values()):
         notes = "; ".join(f"{label}: {', '.join(differ[label])}" for label in labels)
         out = [f"**These columns differ in more than their scheme** — {notes}.", "", *out]
-    context = scored_on({label: by_label[label] for label in labels})
-    out = ([context, ""] if context else []) + out
     if any(gaps.values()):
         notes = "; ".join(f"{label}: {gaps[label]}" for label in labels if gaps[label])
-        out += ["", f"{UNREACHED} reads positional parameters that training at its length never reached — {notes}."]
-    return out
+        out = [
+            f"{UNREACHED} reads positional parameters that training at its length never reached — {notes}.",
+            "",
+            *out,
+        ]
+    context = scored_on({label: by_label[label] for label in labels})
+    return ([context, ""] if context else []) + out
 
 
 UNREACHED = "†"

@@ -163,7 +163,7 @@ def learned_seeds(by_label: Columns, train_len: int) -> tuple[Columns, list[str]
     kept: Columns = {}
     notes = []
     for label, runs in by_label.items():
-        mine = [run for run in runs if learned(run.get("mqar") or [], train_len)]
+        mine = [run for run in runs if learned(run.get("mqar") or [], train_len) is not False]  # None: unknown
         if len(mine) < len(runs):
             verdict = "did not learn" if not mine else "learned"
             notes.append(f"{label} {verdict} ({len(mine)} of {len(runs)} seeds)")

@@ -1,0 +1,72 @@
+"""What the report says of a comparison made fair: the split and budget of every table, the learning rates each
+column was tuned to, the columns that read parameters training never reached, and recall only where it was learned."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from posenc.report import build_report, find_results
+from posenc.report.preset import learned_seeds
+from posenc.report.study import keep_records
+
+
+def _text_run(root: Path, label: str, seed: int, ppl: float, gaps: list | None = None, lr: float = 2e-3) -> Path:
+    folder = root / f"{label}-L32-s{seed}"
+    rows = [
+        {"length": 32 * m, "mode": "nonoverlap", "stride": None, "tokens": 2048, "loss": math.log(ppl * m ** 0.01),
+         "ppl": ppl * m ** 0.01, "bpb": 1.0, "error": None, "multiple": m, "ratio": m ** 0.01}
+        for m in (1, 2)
+    ]  # fmt: skip
+    tuning = {"from": "tuning/selection.json", "rule": "the rule", "split": "validation", "lr": lr,
+              "scheme_lr_multiplier": 10.0}  # fmt: skip
+    config = {"optim": {"lr": lr, "scheme_lr_multiplier": 10.0, "tuned": "tuning/selection.json"}, "tuning": tuning}
+    result = {"label": label, "train_len": 32, "seed": seed, "perplexity": rows, "config": config, "run_name": label}
+    result |= {"eval": {"mode": "nonoverlap", "stride": None, "split": "test"}, "training": {"steps": 10}}
+    result |= {"budget": {"parameters": 1000, "tokens": 6000, "tokens_per_parameter": 6.0}}
+    result |= {"coverage": {"train_length": 32, "gaps": gaps or []}, "loss_by_position": {"32": [2.0] * 32,
+               "64": [1.23456789] * 64}}  # fmt: skip
+    (folder / "eval").mkdir(parents=True)
+    (folder / "eval" / "results.json").write_text(json.dumps(result))
+    (folder / "run.json").write_text(json.dumps({"steps": 10, "tokens": 6000}))
+    return folder
+
+
+def test_tables_say_their_split_budget_tuned_rates_and_untrained_parameters(tmp_path: Path) -> None:
+    gap = {"scheme": "t5", "parameter": "table", "note": "buckets 27–31 of 32 are never reached"}
+    for seed in (0, 1):
+        _text_run(tmp_path, "alibi", seed, 5.0, lr=4e-3)
+        _text_run(tmp_path, "t5", seed, 5.5, gaps=[gap] if seed == 0 else None)
+    markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=False)
+    table = markdown.split("## Trained at L=32 — nonoverlapping windows")[1].split("Ratio to the in-length")[0]
+    assert "Scored on the test split; trained for 6 tokens a parameter." in table
+    assert "selected per scheme on the validation split by one rule (the rule)" in table
+    assert "alibi: lr 0.004, ×10; t5: lr 0.002, ×10" in table
+    assert "differ in more than their scheme" not in table  # tuned rates are said as such, not as a difference
+    assert "t5† (n=2" in table and "† reads positional parameters that training at its length never reached" in table
+    assert "alibi† " not in table
+
+
+def test_kept_records_are_compressed_and_the_report_reads_them_the_same(tmp_path: Path) -> None:
+    for seed in (0, 1):
+        _text_run(tmp_path / "runs", "alibi", seed, 5.0)
+    results = find_results([tmp_path / "runs"])
+    keep_records(results, tmp_path / "kept")
+    kept = sorted(p.relative_to(tmp_path / "kept").as_posix() for p in (tmp_path / "kept").rglob("*") if p.is_file())
+    assert kept == [f"alibi-L32-s{s}/{f}" for s in (0, 1) for f in ("eval/results.json.gz", "run.json.gz")]
+    again = find_results([tmp_path / "kept"])
+    assert [r["perplexity"] for r in again] == [r["perplexity"] for r in results]
+    assert again[0]["loss_by_position"] == {"64": [1.235] * 64}  # only the curve a figure draws, to 3 decimals
+    assert again[0]["training"]["steps"] == 10
+
+
+def test_recall_is_compared_only_over_the_seeds_that_learned_it() -> None:
+    def run(seed: int, accuracy: float) -> dict:
+        rows = [{"length": 64, "accuracy": accuracy, "low": accuracy - 0.05, "keyless_exact": 0.25}]
+        return {"seed": seed, "mqar": rows}
+
+    columns = {"alibi": [run(0, 0.9), run(1, 0.95)], "rope": [run(0, 0.9), run(1, 0.2)], "nope": [run(0, 0.1)]}
+    kept, notes = learned_seeds(columns, 64)
+    assert [r["seed"] for r in kept["rope"]] == [0] and "nope" not in kept and len(kept["alibi"]) == 2
+    assert notes == ["rope learned (1 of 2 seeds)", "nope did not learn (0 of 1 seeds)"]
