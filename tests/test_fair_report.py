@@ -70,3 +70,26 @@ def test_recall_is_compared_only_over_the_seeds_that_learned_it() -> None:
     kept, notes = learned_seeds(columns, 64)
     assert [r["seed"] for r in kept["rope"]] == [0] and "nope" not in kept and len(kept["alibi"]) == 2
     assert notes == ["rope learned (1 of 2 seeds)", "nope did not learn (0 of 1 seeds)"]
+
+
+def test_a_ranking_at_two_budgets_is_set_side_by_side_with_kendalls_tau(tmp_path: Path) -> None:
+    from posenc.report.budgets import budget_tables
+
+    results = []
+    for steps, ppls in ((600, {"alibi": 5.0, "t5": 4.0, "nope": 6.0, "rope": 4.5}),
+                        (2400, {"alibi": 4.0, "t5": 3.5, "nope": 5.0, "rope": 3.0})):  # fmt: skip
+        for label, ppl in ppls.items():
+            for seed in (0, 1):
+                rows = [
+                    {"length": 32 * m, "mode": "nonoverlap", "stride": None, "error": None, "ppl": ppl * m**0.1,
+                     "ratio": m**0.1}
+                    for m in (1, 2)
+                ]  # fmt: skip
+                config = {"trainer": {"max_steps": steps}}
+                result = {"label": label, "train_len": 32, "seed": seed, "perplexity": rows, "config": config}
+                results.append(result | {"eval": {"mode": "nonoverlap", "stride": None}, "training": {"steps": steps}})
+    text = "\n".join(budget_tables(results))
+    assert "## Rankings by budget, trained at L=32 — nonoverlapping windows" in text
+    row = next(line for line in text.splitlines() if line.startswith("| rope |"))
+    assert row.startswith("| rope | 2/2 | 4.500 (2) | 3.000 (1) |")
+    assert "1×: Kendall's τ between 600 and 2400 steps = 0.67 (4 schemes)." in text

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.jsonio import DiskFullError, write_text
 from posenc.report.attention import attention_tables
+from posenc.report.budgets import budget_tables
 from posenc.report.collect import find_results, finished
 from posenc.report.common import Appendix, run_dir
 from posenc.report.cost import cost_plots_of, cost_section, log_cost_scatter
@@ -88,6 +89,7 @@ def build_report(
     bench: list[dict[str, Any]] | None = None,
     cost_only: bool = False,
     tuning_only: bool = False,
+    budgets_only: bool = False,
 ) -> str:
     """Write report.md (and plots) to ``out_dir``; return the markdown (``write=False``: the plots only).
 
@@ -102,7 +104,8 @@ def build_report(
     ``references`` are the schemes every column is compared with in the section of comparisons fixed in advance.
     ``bench`` (``benchcost.find_bench``) adds the training cost measured side by side and gives the cost chart its
     x; ``cost_only`` keeps only what prices the columns: that table, the protocols side by side and the chart.
-    ``tuning_only``: the tuning grid and the setting selected for each scheme (``posenc/report/tuning.py``), alone.
+    ``tuning_only``: the tuning grid and the setting selected for each scheme (``posenc/report/tuning.py``), alone;
+    ``budgets_only``: each scheme's rank at every training budget and whether the ranking holds (``budgets.py``).
     """
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
@@ -138,6 +141,8 @@ def build_report(
     sections += cost_section(results, bench) if bench else []
     if tuning_only:
         sections += tuning_section(results)
+    elif budgets_only:
+        sections += budget_tables(results)
     elif cost_only:
         sections += _text(protocol_tables)(results, appendix)
     else:
@@ -151,7 +156,7 @@ def build_report(
     # The cost chart takes the benchmark's side-by-side throughput when there is one.
     cost_chart = functools.partial(cost_plots_of, bench=bench)
     figures = [cost_chart] if cost_only else [cost_chart if f is cost_plots_of else f for f in FIGURES]
-    figures = [] if tuning_only else figures
+    figures = [] if tuning_only or budgets_only else figures
     images = [image for figure in figures for image in figure(results, out_dir)] if make_plots else []
     if images:
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]

@@ -1,0 +1,174 @@
+"""The studies ``posenc.report --study <name>`` writes into ``docs/results/``.
+
+Each one's title and the commands that produce its runs, so that a document opens with how to regenerate it
+(``posenc/report/study.py`` writes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Study:
+    """A study's title and the command that produces its runs."""
+
+    title: str
+    runs_command: str
+    inputs: str = "<their sweep or run directories>"  # what the report reads of those runs
+    cost_only: bool = False  # the report's cost table, protocols and chart only (``build_report``)
+    tuning: bool = False  # the tuning grid alone, and the selection written beside the document (selection.json)
+    budgets: bool = False  # each scheme's rank at every budget its runs trained for, alone
+
+
+# The reproduction's encoding configs (sweeps/repro.yaml): every scheme of the ALiBi-era comparison and two hybrids.
+REPRODUCTION = (
+    "alibi,alibi_dd,cope,dape,fire,kerple_log,kerple_power,learned,nope,rope,sandwich,sinusoidal,xpos,t5,rnope,"
+    "rope_alibi"
+)
+
+STUDIES = {
+    "reproduction": Study(
+        "Reproduction: which scheme extrapolates",
+        "python -m posenc.train -m -cd sweeps -cn repro seed=0,1,2 'eval.sliding_fractions=[0.5]'  # 16 configs x 3 "
+        "seeds; on 2 cores, as two single-threaded halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,alibi_dd,cope,dape,fire,kerple_log,kerple_power,learned &\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=nope,rope,sandwich,sinusoidal,xpos,t5,rnope,rope_alibi",
+        "outputs/sweeps/repro",
+    ),
+    "cost": Study(
+        "Cost of each scheme: its train step timed side by side, beside how far it extrapolates",
+        "python -m posenc.train -m -cd sweeps -cn repro seed=0,1,2 'eval.sliding_fractions=[0.5]'  # the "
+        "reproduction's runs\n"
+        "OMP_NUM_THREADS=1 python -m posenc.bench model=tiny train_step.seq_len=64 train_step.batch_size=32 "
+        f"'train_step.schemes=[{REPRODUCTION}]' 'attention.lengths=[]' long_context.length=null repeats=40 "
+        "case_budget_s=60 hydra.run.dir=outputs/bench/cost",
+        "outputs/sweeps/repro outputs/bench/cost",
+        cost_only=True,
+    ),
+    "controlled": Study(
+        "The controlled comparison: six schemes, five seeds, both protocols, positional parameters that learned",
+        "python -m posenc.train -m -cd sweeps -cn controlled  # 6 schemes x 5 seeds; on 2 cores, as two single-"
+        "threaded halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,nope,fire & OMP_NUM_THREADS=1 ... +encoding=rope,t5,kerple_log",
+        "outputs/sweeps/controlled",
+    ),
+    "controlled-1200": Study(
+        "The controlled comparison's learnable schemes at twice the steps: do FIRE and KERPLE-log settle?",
+        "python -m posenc.train -m -cd sweeps -cn controlled +encoding=fire,kerple_log trainer.max_steps=1200 "
+        "sweep_name=controlled_1200  # read beside the same schemes' 600-step runs of sweeps/controlled",
+        "outputs/sweeps/controlled_1200 outputs/sweeps/controlled/{fire,kerple_log}-L64-s*",
+    ),
+    "tuning": Study(
+        "The same tuning for every scheme: one grid, selected on validation",
+        "python -m posenc.train -m -cd sweeps -cn tune  # the schemes with parameters, the whole grid\n"
+        "python -m posenc.train -m -cd sweeps -cn tune +encoding=alibi,rope,nope optim.scheme_lr_multiplier=1",
+        "outputs/sweeps/tune",
+        tuning=True,
+    ),
+    "comparison": Study(
+        "A comparison fair by construction: settings scaled to the length, one tuning, the test split",
+        "python -m posenc.train -m -cd sweeps -cn tune  # then +encoding=alibi,rope,nope "
+        "optim.scheme_lr_multiplier=1, and the tuning study (docs/results/tuning.md)\n"
+        "python -m posenc.train -m -cd sweeps -cn comparison  # 8 schemes x 5 seeds; on 2 cores, as two "
+        "single-threaded halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,nope,t5,fire & "
+        "OMP_NUM_THREADS=1 ... +encoding=rope,kerple_log,stick_breaking_trained,fox",
+        "outputs/sweeps/comparison",
+    ),
+    "comparison-2400": Study(
+        "The fair comparison at four times the tokens (2,400 steps)",
+        "python -m posenc.train -m -cd sweeps -cn comparison trainer.max_steps=2400 sweep_name=comparison_2400  # "
+        "the same halves side by side",
+        "outputs/sweeps/comparison_2400",
+    ),
+    "comparison-budgets": Study(
+        "Does the fair comparison's ranking hold at four times the tokens?",
+        "python -m posenc.train -m -cd sweeps -cn comparison  # 600 steps, then 2,400:\n"
+        "python -m posenc.train -m -cd sweeps -cn comparison trainer.max_steps=2400 sweep_name=comparison_2400",
+        "outputs/sweeps/comparison outputs/sweeps/comparison_2400",
+        budgets=True,
+    ),
+    "frontier": Study(
+        "The 2024–2025 frontier on the reproduction's backbone (one seed)",
+        "python -m posenc.train -m -cd sweeps -cn frontier",
+        "outputs/sweeps/frontier",
+    ),
+    "recall": Study(
+        "Associative recall by length",
+        "python -m posenc.train -m -cd sweeps -cn retrieval  # 6 schemes x 3 rates x 5 seeds; on 2 cores, as two "
+        "halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,rope,xpos & OMP_NUM_THREADS=1 ... +encoding=nope,kerple_log,t5",
+        "outputs/sweeps/mqar",
+    ),
+    "recall-3000": Study(
+        "Associative recall: the three schemes still rising at 1,500 steps, trained for 3,000",
+        "python -m posenc.train -m -cd sweeps -cn retrieval +encoding=alibi,nope,kerple_log optim.lr=3e-3 "
+        "trainer.max_steps=3000 sweep_name=mqar_3000",
+        "outputs/sweeps/mqar_3000",
+    ),
+    "recall-offset": Study(
+        "Associative recall with the key–value block at a random offset: distance apart from position",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset  # 6 schemes x 3 rates x 5 seeds; in parts, the "
+        "rate every scheme took in the recall study first:\n"
+        "#   python -m posenc.train -m -cd sweeps -cn retrieval_offset optim.lr=3e-3",
+        "outputs/sweeps/mqar_offset",
+    ),
+    "ruler-tasks": Study(
+        "Two RULER tasks, multikey and variable tracking (one seed)",
+        "python -m posenc.train -m +encoding=rope data=multikey,vartrack trainer.max_steps=2000 model.init=pytorch "
+        "model.tie_embeddings=false sweep_name=ruler",
+        "outputs/sweeps/ruler",
+    ),
+    "passkey": Study("Passkey retrieval", "python -m posenc.train -m -cd sweeps -cn passkey", "outputs/sweeps/passkey"),
+    "rope-scaling": Study(
+        "RoPE scaled at evaluation (PI, NTK, YaRN)",
+        "python -m posenc.train -m -cd sweeps -cn frontier  # its rope-L64-s0 run, then at factor 8:\n"
+        "for m in pi ntk dynamic_ntk yarn yarn_paper llama3; do python -m posenc.evaluate "
+        "outputs/sweeps/frontier/rope-L64-s0 eval.rope_scaling=$m eval.rope_scaling_factor=8; "
+        "done",
+        "outputs/sweeps/frontier/rope-L64-s0/eval outputs/sweeps/frontier/rope-L64-s0/eval_*x8",
+    ),
+    "scheme-lr": Study(
+        "The scheme parameters' learning rate: how far T5, KERPLE-log and FIRE learn in the reproduction's budget",
+        "python -m posenc.train -m -cd sweeps -cn scheme_lr  # GPT-2's initialisation, as the reproduction\n"
+        "python -m posenc.train -m -cd sweeps -cn scheme_lr optim.scheme_lr_multiplier=1,10,30,100 model.init=pytorch "
+        "model.tie_embeddings=false sweep_name=scheme_lr_pytorch  # the controlled comparison's initialisation",
+        "outputs/sweeps/scheme_lr outputs/sweeps/scheme_lr_pytorch",
+    ),
+    "initialisation": Study(
+        "One initialisation for every task: GPT-2's with a tied head against PyTorch's with an untied head",
+        "python -m posenc.train -m -cd sweeps -cn frontier  # its alibi and rope runs: GPT-2's, tied (the default)\n"
+        "python -m posenc.train -m -cd sweeps -cn passkey  # its alibi and rope runs: the same\n"
+        "python -m posenc.train -m experiment=repro +encoding=alibi,rope model.init=pytorch "
+        "model.tie_embeddings=false 'eval.sliding_fractions=[]' sweep_name=init_pytorch\n"
+        "python -m posenc.train -m -cd sweeps -cn passkey +encoding=alibi,rope model.init=pytorch "
+        "model.tie_embeddings=false sweep_name=passkey_init_pytorch\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=3e-3 seed=0 "
+        "trainer.max_steps=1500 model.init=gpt2 model.tie_embeddings=true sweep_name=mqar_init_gpt2\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=3e-3 seed=0 "
+        "trainer.max_steps=1500 model.init=pytorch model.tie_embeddings=false sweep_name=mqar_init_pytorch",
+        "outputs/sweeps/frontier/{alibi,rope}-L64-s0/eval outputs/sweeps/passkey/{alibi,rope}-L64-s0 "
+        "outputs/sweeps/init_pytorch outputs/sweeps/passkey_init_pytorch outputs/sweeps/mqar_init_*",
+    ),
+    "offset-pilot": Study(
+        "MQAR with the key–value block at a random offset: the budget it needs",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=1e-3,3e-3,1e-2 "
+        "seed=0 trainer.max_steps=1500 sweep_name=offset_pilot_lr\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset +encoding=alibi,rope optim.lr=3e-3 seed=0 "
+        "trainer.max_steps=4500 sweep_name=offset_pilot_steps",
+        "outputs/sweeps/offset_pilot_lr outputs/sweeps/offset_pilot_steps",
+    ),
+    "controlled-passkey": Study(
+        "Passkey retrieval in the controlled comparison (one seed)",
+        "python -m posenc.train -m -cd sweeps -cn controlled_passkey",
+        "outputs/sweeps/controlled_passkey",
+    ),
+    "attention-statistics": Study(
+        "Attention statistics by length",
+        "python -m posenc.train -m -cd sweeps -cn frontier  # then, for each of its runs named below:\n"
+        "for r in alibi nope rope fox stick_breaking; do python -m posenc.evaluate outputs/sweeps/frontier/$r-L64-s0 "
+        "eval.attention_stats=true; done",
+        "outputs/sweeps/frontier/*/eval_attention_statsTrue",
+    ),
+}
