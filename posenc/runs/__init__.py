@@ -40,7 +40,7 @@ from posenc.runs.checks import (
     experiment_settings,
     validate,
 )
-from posenc.runs.lineage import Parent, inherit, lineage_tags, load_parent_weights
+from posenc.runs.lineage import Parent, inherit, lineage_tags, load_parent_weights, provenance
 from posenc.runs.records import (
     CHECKPOINT,
     DONE_FILE,
@@ -92,6 +92,7 @@ __all__ = [
     "load_module",
     "load_parent_weights",
     "now",
+    "provenance",
     "read_checkpoint",
     "read_json",
     "resolve_checkpoint",
