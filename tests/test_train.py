@@ -92,7 +92,7 @@ def test_cli_runs_end_to_end(tmp_path: Path) -> None:
     run_dirs = list((tmp_path / "outputs" / "runs" / "alibi-L16-s0").iterdir())
     assert len(run_dirs) == 1 and (run_dirs[0] / ".hydra" / "config.yaml").exists()
     # logger=none: the console alone says where the run went, first, and where its results are, last
-    run = run_dirs[0]
+    run = run_dirs[0].relative_to(tmp_path)  # as typed from where the command ran
     lines = result.stdout.splitlines()
     assert lines[0] == f"run alibi-L16-s0: {run}"
     assert lines[-1] == f"done: results in {run}/eval/results.json; no plots (eval.plots=false); {run}/run.json"

@@ -264,7 +264,6 @@ class ExtrapolationEval(Callback):
         )
         self.drift = drift  # the run's positional-parameter snapshots: results.json records how far they moved
         self.results: dict[str, Any] | None = None
-        self.images: list[Path] = []
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -289,7 +288,7 @@ class ExtrapolationEval(Callback):
             task=self.task,
             precision=str(trainer.precision),
         )
-        images = self.images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
+        images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
         print_results(self.results)
         # Under its protocol (eval/nonoverlap, eval/sliding_f0.5, ...): two protocols of one run never share a key.
         log_results(self.results, trainer.loggers, images, trainer.global_step, folder=self.out_dir.name)

@@ -83,7 +83,7 @@ def fit(
     data_info = check_data(datamodule)
     lineage = parent[1] if parent is not None else None
     what = "; ".join(provenance(config, lineage))
-    print(f"run {config['run_name']}{f' ({what})' if what else ''}: {run_dir}")  # the first line: where it all goes
+    print(f"run {config['run_name']}{f' ({what})' if what else ''}: {_shown(run_dir)}")  # the first line
     run_dir.mkdir(parents=True, exist_ok=True)
     if config["logger"].get("kind") == "wandb" and not config["logger"].get("id"):
         config["logger"] = {**config["logger"], "id": wandb_id(run_dir)}  # a resumed run continues its W&B run
@@ -228,14 +228,22 @@ def fit(
     return summary
 
 
+def _shown(path: Path) -> Path:
+    """``path`` as typed from here: relative where it lies below the working directory (Hydra's are absolute)."""
+    with contextlib.suppress(ValueError):
+        return path.relative_to(Path.cwd())
+    return path
+
+
 def _where(run_dir: Path, evaluations: list[ExtrapolationEval]) -> str:
     """The run's last console line: where its results and plots are."""
+    run = _shown(run_dir)
     if not evaluations:
-        return f"done: {run_dir}/run.json (no evaluation: eval.at_end=false; python -m posenc.evaluate {run_dir})"
-    folders = ", ".join(f"{e.out_dir}/{RESULTS_FILE}" for e in evaluations)
-    plots = sum(len(e.images) for e in evaluations)
+        return f"done: {run}/{RUN_FILE} (no evaluation: eval.at_end=false; python -m posenc.evaluate {run})"
+    folders = ", ".join(f"{_shown(e.out_dir)}/{RESULTS_FILE}" for e in evaluations)
+    plots = sum(len(list(e.out_dir.glob("*.png"))) for e in evaluations)  # on disk: under ddp_spawn a child wrote them
     shown = f"{plots} plot(s) beside them" if plots else "no plots (eval.plots=false)"
-    return f"done: results in {folders}; {shown}; {run_dir}/run.json"
+    return f"done: results in {folders}; {shown}; {run}/{RUN_FILE}"
 
 
 def _full_disk_error(full: OSError, config: dict[str, Any], run_dir: Path, resume_command: str | None) -> RunError:
