@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import shlex
 import sys
 from collections.abc import Callable, Iterator
@@ -26,7 +27,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, MissingMandatoryValue, open_dict
 
-from posenc.config import CONF_DIR, remove_if_only_bookkeeping, require_encoding, to_container
+from posenc.config import (
+    CONF_DIR,
+    check_command_line,
+    remove_if_only_bookkeeping,
+    require_encoding,
+    to_container,
+)
 from posenc.runs import (
     CHECKPOINT,
     DONE_FILE,
@@ -62,23 +69,65 @@ def _example(key: str) -> str:
     return "data.corpus_options.paths=[notes.txt]" if key.endswith("paths") else f"{key}=..."
 
 
+# A terminal's control sequences (colours, cursor moves such as a progress bar's "line up").
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class PlainLines:
+    """A console stream as plain lines for ``train.log``: what was printed, without the progress bars.
+
+    A progress bar redraws its line after a carriage return many times a second, and a nested bar moves the cursor
+    with ANSI sequences: a file would keep every redraw, and a log record printed while a bar was drawn would share
+    its line. Here a line drawn after a carriage return is a bar's and is left out; text that follows a bar without
+    a carriage return of its own (a record printed under a bar) starts a line of its own; ANSI sequences go.
+    """
+
+    def __init__(self) -> None:
+        self.line, self.bar = "", False
+
+    def feed(self, text: str) -> str:
+        """The complete lines ``text`` finishes, as plain text."""
+        done = []
+        for token in re.split(r"(\r|\n)", ANSI.sub("", text)):
+            if token == "\n":
+                if not self.bar:
+                    done.append(self.line.rstrip() + "\n")
+                self.line, self.bar = "", False
+            elif token == "\r":
+                self.line, self.bar = "", True
+            elif token:
+                if self.bar and self.line:  # text after a bar's redraw, not a redraw itself: a line of its own
+                    self.line, self.bar = "", False
+                self.line += token
+        return "".join(done)
+
+    def flush(self) -> str:
+        """The unfinished line, unless it is a bar's (the run is over)."""
+        line, bar, self.line, self.bar = self.line, self.bar, "", False
+        return line.rstrip() + "\n" if line.strip() and not bar else ""
+
+
 class _Tee(io.TextIOBase):
-    """A console stream that also writes into the run's ``train.log``; on a full disk, the console alone.
+    """A console stream that also writes into the run's ``train.log`` as plain lines; on a full disk, the console alone.
 
     The log is a copy: losing its tail to a full disk must not turn the run's own one-line message into a
     traceback from whatever was printing at the time.
     """
 
     def __init__(self, stream: TextIO, log: TextIO) -> None:
-        self.stream, self.log = stream, log
+        self.stream, self.log, self.plain = stream, log, PlainLines()
 
     def write(self, text: str) -> int:
-        self._to_log(self.log.write, text)
+        self._to_log(self.log.write, self.plain.feed(text))
         return self.stream.write(text)
 
     def flush(self) -> None:
         self._to_log(self.log.flush)
         self.stream.flush()
+
+    def finish(self) -> None:
+        """Write the unfinished line into the log (the run is over)."""
+        self._to_log(self.log.write, self.plain.flush())
 
     def _to_log(self, method: Callable[..., Any], *args: Any) -> None:
         if self.log.closed:  # a handler may keep this stream after the run (the next job of a multirun)
@@ -120,6 +169,9 @@ def console_into(path: Path) -> Iterator[None]:
         finally:
             for handler, stream in handlers:
                 handler.setStream(stream)
+            for tee in (sys.stdout, sys.stderr):
+                if isinstance(tee, _Tee):
+                    tee.finish()
             sys.stdout, sys.stderr = stdout, stderr
     finally:
         with contextlib.suppress(OSError):  # what a full disk kept out of the log is on the console
@@ -172,6 +224,7 @@ def main() -> None:
             flag, _, value = arg.partition("=")
             args[index] = f"{flag}={_config_dir(value)}"
     sys.argv = [sys.argv[0], *args]
+    check_command_line(args, "train", "posenc.train")  # a typo refused in one line, before Hydra makes a run dir
     _main()
 
 

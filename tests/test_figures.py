@@ -112,3 +112,25 @@ def test_task_tables_show_per_byte_accuracy_chance_and_untrained_models(tmp_path
     assert "Not trained on passkey: rope" in passkey
     assert "mean over key depths" not in copy.split("## Plots")[0] and "(chance: 0.04" in copy
     assert (tmp_path / "report" / "passkey_accuracy_per_byte_L64.png").exists()
+
+
+@pytest.mark.parametrize("figure", ["learned_bias", "drift_curve"])
+def test_single_panel_figures_show_their_whole_title_and_distances_from_zero(
+    figure: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from posenc.report import drift
+
+    kept = []
+    monkeypatch.setattr(drift, "_save", lambda fig, plt, path: kept.append(fig) or path)
+    if figure == "learned_bias":
+        curve = {"distances": list(range(200)), "by_head": [[-0.01 * d for d in range(200)]], "query_position": 199}
+        drift._bias_figure({"t5": curve}, 64, tmp_path / "bias.png")
+    else:
+        drift._curve_figure({"t5": (list(range(0, 600, 10)), [0.01 * (i + 1) for i in range(60)], 3)}, 64, tmp_path)
+    (fig,) = kept
+    fig.canvas.draw()
+    title, frame = fig._suptitle.get_window_extent(), fig.bbox
+    assert frame.x0 <= title.x0 and title.x1 <= frame.x1 and title.y1 <= frame.y1  # nothing of it cut off
+    (ax,) = [ax for ax in fig.axes if ax.get_visible()]
+    assert ax.get_xlim()[0] == 0  # no width spent on negative distances or steps
+    assert not any(tick < 0 for tick in ax.get_xticks() if ax.get_xlim()[0] <= tick <= ax.get_xlim()[1])

@@ -66,7 +66,8 @@ def test_csv_logger_records_metrics(tmp_path: Path) -> None:
     overrides = [o for o in FAST if not o.startswith("logger")] + ["logger=csv", "trainer.log_every_n_steps=1"]
     train(compose_train("+encoding=alibi", *overrides), tmp_path)
     header = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
-    for column in ("train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW", "eval/ppl@2x", "eval/ppl_ratio@4x"):
+    names = ("train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW/weights", "eval/nonoverlap/ppl@2x")
+    for column in (*names, "eval/nonoverlap/ppl_ratio@4x"):
         assert column in header
 
 
@@ -90,6 +91,11 @@ def test_cli_runs_end_to_end(tmp_path: Path) -> None:
     assert "Perplexity of alibi trained at L=16" in result.stdout
     run_dirs = list((tmp_path / "outputs" / "runs" / "alibi-L16-s0").iterdir())
     assert len(run_dirs) == 1 and (run_dirs[0] / ".hydra" / "config.yaml").exists()
+    # logger=none: the console alone says where the run went, first, and where its results are, last
+    run = run_dirs[0].relative_to(tmp_path)  # as typed from where the command ran
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"run alibi-L16-s0: {run}"
+    assert lines[-1] == f"done: results in {run}/eval/results.json; no plots (eval.plots=false); {run}/run.json"
 
 
 def test_warmup_cosine_schedule() -> None:

@@ -114,7 +114,7 @@ def compile_all(arch: int = H100, registers: bool = False) -> list[dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m posenc.attention.triton_aot", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--registers", action="store_true", help="add ptxas's registers and spills per kernel")
     args = parser.parse_args(argv)

@@ -10,3 +10,21 @@ ACCURACY_LIMITS = (-0.02, 1.02)
 def sliding_dir(fraction: float) -> str:
     """The folder of a sliding-window evaluation whose stride is ``fraction`` of each length: ``eval_sliding_f0.5``."""
     return f"eval_sliding_f{float(fraction):g}"
+
+
+def protocol_name(eval_cfg: dict) -> str:
+    """The evaluation protocol as a metric namespace: ``nonoverlap``, ``sliding_f0.5``, ``sliding_s32``.
+
+    An evaluation-time scaling makes another model, and is named too (``nonoverlap_yarnx8``, ``nonoverlap_log_n``);
+    nothing else is (max_tokens, split, multiples change the sample, not the protocol), so the keys ``eval/<protocol>/
+    ppl@4x`` stay the same across re-evaluations and their settings are recorded beside them.
+    """
+    name = str(eval_cfg.get("mode", "nonoverlap"))
+    if name == "sliding":
+        fraction = eval_cfg.get("stride_fraction")
+        name += f"_f{float(fraction):g}" if fraction is not None else f"_s{eval_cfg.get('stride')}"
+    if eval_cfg.get("rope_scaling") is not None:
+        name += f"_{eval_cfg['rope_scaling']}x{float(eval_cfg.get('rope_scaling_factor') or 0):g}"
+    if eval_cfg.get("attention_scale") is not None:
+        name += f"_{eval_cfg['attention_scale']}"
+    return name

@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from posenc.config import CONF_DIR, to_container
+from posenc.config import CONF_DIR, check_command_line, to_container
 from posenc.evaluate import sliding_dir
 from posenc.jsonio import DiskFullError
 from posenc.runs import (
@@ -105,11 +105,14 @@ def _main(cfg: DictConfig) -> None:
     except DiskFullError as full:
         raise RunError(f"{full}; {out_dir} is as it was. Free space, then run the same command again") from None
     print_results(results)
-    print(f"\nwrote {out_dir}/results.json and {len(images)} plot(s)")
     logged_to_wandb = config["logger"].get("kind") == "wandb"
     if cfg.wandb is True or (cfg.wandb == "auto" and logged_to_wandb):
-        _log_to_wandb(results, run_dir, images, config, namespace=out_dir.name)
+        _log_to_wandb(results, run_dir, images, config, folder=out_dir.name)
+    print(f"\nwrote {out_dir}/results.json and {len(images)} plot(s)")  # the last line: where the results are
 
+
+# Hydra's flags that print and run nothing (--help lists the eval.* options).
+HYDRA_PRINTS = ("-h", "--help", "--hydra-help", "--cfg", "-c", "--info", "-i")
 
 # Evaluation settings that change neither what is scored nor how (so they never name a directory); the sliding
 # evaluations a training run adds at its end are evaluations of their own, in folders of their own.
@@ -153,14 +156,16 @@ def eval_dir_name(eval_cfg: dict[str, Any], trained_eval: dict[str, Any], task: 
 
 
 def _log_to_wandb(
-    results: dict[str, Any], run_dir: Path, images: list[Path], config: dict[str, Any], namespace: str
+    results: dict[str, Any], run_dir: Path, images: list[Path], config: dict[str, Any], folder: str
 ) -> None:
-    """Resume the run's own W&B run (its id from the saved config or ``wandb_id``) and log under ``namespace``."""
-    from lightning.pytorch.loggers import WandbLogger
+    """Resume the run's own W&B run (its id from the saved config or ``wandb_id``) and log past its last step.
 
+    The figures land under the protocol's keys (``eval/nonoverlap/ppl@4x``), the same a training run's evaluation
+    uses, with the settings they come from in the run's config (``posenc.evaluate.wandb_tables``).
+    """
     from posenc.evaluate.wandb_tables import log_results
     from posenc.runs import WANDB_ID_FILE
-    from posenc.runs.loggers import resolve_wandb_mode
+    from posenc.runs.loggers import SteppedWandbLogger, next_wandb_step, record_wandb_step, resolve_wandb_mode
 
     logger_cfg = config["logger"]
     mode = resolve_wandb_mode(logger_cfg.get("mode", "auto"))
@@ -168,17 +173,19 @@ def _log_to_wandb(
         return
     id_file = run_dir / WANDB_ID_FILE
     run_id = logger_cfg.get("id") or (id_file.read_text().strip() if id_file.is_file() else None)
-    logger = WandbLogger(
+    logger = SteppedWandbLogger(
         project=logger_cfg.get("project", "posenc"),
         entity=logger_cfg.get("entity"),
         group=logger_cfg.get("group"),
         id=run_id,
-        resume="allow",
         save_dir=str(run_dir),
         mode=mode,
     )
-    log_results(results, [logger], images, step=None, namespace=namespace)
+    # Online, W&B knows the resumed run's next step; offline, the run directory's record says it.
+    step = max(next_wandb_step(run_dir, int(results["training"]["steps"] or 0)), logger.experiment.step)
+    log_results(results, [logger], images, step=step, folder=folder)
     logger.finalize("success")
+    record_wandb_step(run_dir, step)
     import wandb
 
     if wandb.run is not None:
@@ -188,11 +195,18 @@ def _log_to_wandb(
 def main() -> None:
     """Turn the positional run/checkpoint argument into the ``target=`` override Hydra expects."""
     args = sys.argv[1:]
+    if any(a in HYDRA_PRINTS for a in args):  # --help lists the eval.* options: no run is read
+        sys.argv = [sys.argv[0], *(a for a in args if not Path(a).exists())]
+        _main()
+        return
     positional = [a for a in args if "=" not in a and not a.startswith("-")]
     if len(positional) != 1 or any(a.startswith("target=") for a in args):
         raise SystemExit(EVALUATE_USAGE)
     target = positional[0].replace("\\", "\\\\").replace("'", "\\'")
-    sys.argv = [sys.argv[0], f"target='{target}'", *(a for a in args if a != positional[0])]
+    rest = [a for a in args if a != positional[0]]
+    # encoding and model are the checkpoint's: check_consistency refuses an override that contradicts them
+    check_command_line(rest, "evaluate", "posenc.evaluate", read_elsewhere=("encoding", "model"))
+    sys.argv = [sys.argv[0], f"target='{target}'", *rest]
     _main()
 
 

@@ -22,6 +22,7 @@ from posenc.evaluate.mqar import console_lines as mqar_lines
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
 from posenc.jsonio import DiskFullError, write_json, write_text
+from posenc.runs import provenance
 
 TASK_NAMES = ("passkey", "copy", *RETRIEVAL_TASKS)
 
@@ -158,7 +159,11 @@ def print_results(results: dict[str, Any]) -> None:
         elif rows[0]["stride"]:
             mode += f", stride {rows[0]['stride']}"
         scored = rows[0]["tokens"]
-        print(f"\nPerplexity of {label} trained at L={train_len} ({mode}; {scored} tokens scored at each length):")
+        what = "; ".join(provenance(results.get("config") or {}, results.get("lineage")))
+        print(
+            f"\nPerplexity of {label}{f' ({what})' if what else ''} trained at L={train_len} ({mode}; {scored} tokens "
+            "scored at each length):"
+        )
         documents = results.get("documents") or {}
         split = results["eval"].get("split", "validation")
         where = {

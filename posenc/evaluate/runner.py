@@ -295,5 +295,5 @@ class ExtrapolationEval(Callback):
         )
         images = replace_outputs(self.results, self.out_dir, plots=self.eval_cfg.get("plots", True))
         print_results(self.results)
-        # Under its folder's name (eval, eval_sliding_f0.5, ...): two evaluations of one run never share a key.
-        log_results(self.results, trainer.loggers, images, trainer.global_step, namespace=self.out_dir.name)
+        # Under its protocol (eval/nonoverlap, eval/sliding_f0.5, ...): two protocols of one run never share a key.
+        log_results(self.results, trainer.loggers, images, trainer.global_step, folder=self.out_dir.name)

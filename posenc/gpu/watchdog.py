@@ -10,6 +10,7 @@ stops every group it was told of (SIGTERM, a grace period, SIGKILL) and exits.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -47,6 +48,8 @@ def group_alive(group: int) -> bool:
 
 
 def main() -> int:
+    # Started by the GPU session with the step groups on stdin; --help says so rather than wait on a terminal.
+    argparse.ArgumentParser(prog="python -m posenc.gpu.watchdog", description=__doc__.split("\n\n")[0]).parse_args()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is the session's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # so is a SIGTERM sent to the session's group
     groups: set[int] = set()

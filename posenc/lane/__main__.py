@@ -140,7 +140,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m posenc.lane", description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="append", choices=sorted(GPUS), help="a GPU to compile for (default: all)")
     parser.add_argument("--scheme", action="append", help="a scheme or stack (default: every one that reaches flex)")
     parser.add_argument("--dtype", action="append", choices=["bf16", "fp32"], help="a dtype (default: both)")

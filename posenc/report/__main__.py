@@ -21,7 +21,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("paths", nargs="*", help="sweep or run directories (searched for results.json), or files")
     parser.add_argument("--out", type=Path, help="output directory (default: the first path, or ./report)")
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read run summaries from W&B instead")
-    parser.add_argument("--group", help="with --wandb: only this W&B group (a sweep)")
+    parser.add_argument("--group", help="with --wandb: only this W&B group (a sweep); with --wandb-view: its group")
+    parser.add_argument(
+        "--wandb-view",
+        metavar="ENTITY/PROJECT",
+        help="also save a W&B view of the sweep's runs (--group, else the runs' own): perplexity by length per "
+        "scheme, its ratio to 1x, drift curves and the cost chart (needs wandb-workspaces: the wandb extra)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument(
         "--study",
@@ -102,6 +108,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"posenc.report: {full}; report.md is as it was. Free space, then: {again}") from None
     print(markdown)
     print(f"wrote {out_dir / 'report.md'}")
+    if args.wandb_view:
+        print(_save_view(args.wandb_view, args.group, results, out_dir))
+
+
+def _save_view(entity_project: str, group: str | None, results: list[dict], out_dir: Path) -> str:
+    """The W&B view of the sweep's group (``posenc/report/wandb_view.py``): saved online, its spec written offline."""
+    from posenc.report.wandb_view import save_view
+    from posenc.runs.loggers import resolve_wandb_mode
+
+    groups = {((r.get("config") or {}).get("logger") or {}).get("group") for r in results} - {None}
+    if group is None and len(groups) != 1:
+        found = f"the runs log to {', '.join(sorted(groups))}" if groups else "the runs name no W&B group"
+        raise SystemExit(f"--wandb-view needs --group <W&B group>: {found}")
+    return save_view(entity_project, group or groups.pop(), results, out_dir, resolve_wandb_mode("auto"))
 
 
 if __name__ == "__main__":

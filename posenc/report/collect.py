@@ -87,7 +87,7 @@ def finished(result: dict[str, Any]) -> bool:
 
 
 def results_from_wandb(path: str, group: str | None) -> list[dict[str, Any]]:
-    """Rebuild minimal results from W&B runs' summaries (``eval/ppl@Nx``, ``trainer/global_step``).
+    """Rebuild minimal results from W&B runs' summaries (``eval/nonoverlap/ppl@Nx``, ``trainer/global_step``).
 
     Steps and tokens trained come from the summary's step and the logged ``tokens_per_step``.
     """
@@ -104,9 +104,11 @@ def results_from_wandb(path: str, group: str | None) -> list[dict[str, Any]]:
         summary, config = dict(run.summary), dict(run.config)
         train_len = int(config.get("data", {}).get("seq_len", 0))
         rows = []
+        # eval/nonoverlap/ppl@4x; runs logged before protocols named their keys: eval/ppl@4x, before that ppl@4x
+        prefix = next((p for p in ("eval/nonoverlap/", "eval/") if any(k.startswith(f"{p}ppl@") for k in summary)), "")
         for key, value in summary.items():
-            name = key.removeprefix("eval/")  # runs logged before metrics had one namespace: ppl@4x
-            if name.startswith("ppl@") and name.endswith("x"):
+            name = key.removeprefix(prefix)
+            if key.startswith(prefix) and name.startswith("ppl@") and name.endswith("x"):
                 multiple = float(name[4:-1])
                 ratio = summary.get(key.replace("ppl@", "ppl_ratio@"))
                 length = int(multiple * train_len)

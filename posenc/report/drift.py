@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import functools
 import math
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -212,14 +213,14 @@ def _curve_figure(lines: dict[str, tuple[list[int], list[float], int]], train_le
             shown = label.split(" · ", 1)[1] if " · " in label else label
             ax.plot(steps, mean, linewidth=1.2, color=colour, label=f"{shown} (n={seeds})")
         ax.set_yscale("log")
+        ax.set_xlim(left=0)  # steps count from 0: no axis spent before the first
         ax.axhline(BARELY_MOVED, color="grey", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
         ax.set_title(scheme, fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
         ax.set_ylabel("largest relative change since the start", fontsize=8)
         ax.legend(fontsize=6, loc="lower right")
-    fig.suptitle(f"Positional parameters by step, trained at L={train_len} (seeds' mean; dotted: 'barely moved')")
-    fig.tight_layout()
+    _title(fig, f"Positional parameters by step, trained at L={train_len} (seeds' mean; dotted: 'barely moved')")
     return _save(fig, path)
 
 
@@ -232,6 +233,13 @@ def _panels(plt: Any, count: int, size: tuple[float, float]) -> tuple[Any, list[
     for ax in axes[count:]:
         ax.set_visible(False)
     return fig, axes[:count]
+
+
+def _title(fig: Any, text: str) -> None:
+    """A figure's title wrapped to its width (a single panel is narrow), laid out above the panels, never cut."""
+    points = fig.get_figwidth() * 72
+    fig.suptitle(textwrap.fill(text, max(30, int(points / 5.5))), fontsize=10)  # about 5.5 points a character at 10
+    fig.tight_layout()
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -302,12 +310,12 @@ def _bias_figure(curves: dict[str, dict[str, Any]], train_len: int, path: Path) 
         for head, values in enumerate(curve["by_head"]):
             ax.plot(curve["distances"], values, linewidth=1, label=f"head {head}")
         ax.axvline(train_len, color="grey", linestyle="--", linewidth=1)
-        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xscale("symlog", linthresh=1)  # distance 0 on a log-like axis
+        ax.set_xlim(left=0)  # distances are never negative: no half of the axis spent on negative ticks
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)
         ax.set_xlabel("query–key distance (tokens)", fontsize=8)
         ax.set_ylabel("bias added to the score", fontsize=8)
     axes[0].legend(fontsize=6)
-    fig.suptitle(f"First-layer bias by distance, per head (lowest seed; dashed: training length {train_len})")
-    fig.tight_layout()
+    _title(fig, f"First-layer bias by distance, per head (lowest seed; dashed: training length {train_len})")
     return _save(fig, path)

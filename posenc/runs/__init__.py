@@ -42,7 +42,7 @@ from posenc.runs.checks import (
     resolve_length_settings,
     validate,
 )
-from posenc.runs.lineage import Parent, inherit, lineage_tags, load_parent_weights, read_parent
+from posenc.runs.lineage import Parent, inherit, lineage_tags, load_parent_weights, provenance, read_parent
 from posenc.runs.records import (
     CHECKPOINT,
     DONE_FILE,
@@ -95,6 +95,7 @@ __all__ = [
     "load_module",
     "load_parent_weights",
     "now",
+    "provenance",
     "read_checkpoint",
     "read_json",
     "read_parent",

@@ -14,7 +14,9 @@ with two shapes, such as a learned absolute table asked to cover more positions 
 in one line before anything is built or written.
 
 ``lineage`` (run.json, results.json, the W&B config and tags) names the parent, what changed and the three lists
-of tensor names; ``posenc.report`` places the run beside its parent.
+of tensor names, and ``notes`` on a change accepted that may not do what it says (a context scaling of a RoPE the
+parent never had); ``posenc.report`` places the run beside its parent. ``provenance`` says the same in words, for the
+run's first console line, its perplexity table and the report's column headers.
 """
 
 from __future__ import annotations
@@ -142,6 +144,55 @@ def _changes(parent: Mapping[str, Any], config: Mapping[str, Any], labels: tuple
     return changed
 
 
+def _stretches(config: Mapping[str, Any], vocab_size: int, scaling: Mapping[str, Any]) -> bool:
+    """Whether the model ``config`` describes has a scheme that ``scaling`` can stretch (the model says, not a name)."""
+    try:
+        _meta_decoder({**config, "model": {**config["model"], "context_scaling": dict(scaling)}}, vocab_size)
+    except ValueError:
+        return False
+    return True
+
+
+def _notes(config: Mapping[str, Any], parent: Parent, parent_label: str) -> list[str]:
+    """Changes accepted that may not do what they say, one line each."""
+    scaling = _scaling(config)
+    if scaling and not _scaling(parent.config) and not _stretches(parent.config, parent.vocab_size, scaling):
+        return [
+            f"model.context_scaling={_scaling_words(scaling)} stretches RoPE, but the parent "
+            f"({parent.config.get('run_name') or parent.run_dir.name}, {parent_label}) had no RoPE to scale: the "
+            "rotary frequencies start untrained here, so this is RoPE trained afresh with a scaling, not an extension"
+        ]
+    return []
+
+
+def _scaling_words(scaling: Mapping[str, Any]) -> str:
+    return f"{scaling['method']}×{float(scaling['factor']):g} from {scaling.get('original_length')}"
+
+
+def provenance(config: Mapping[str, Any], lineage: Mapping[str, Any] | None, short: bool = False) -> list[str]:
+    """What a run is beyond its scheme: its training context scaling and the run it was fine-tuned from.
+
+    ``["yarn×4 from 64 in training", "fine-tuned from rope-L64-s0 at step 600"]``; ``short``, for a report's
+    column header: ``["yarn×4 in training", "from rope"]``. Empty for a run trained from scratch without a scaling.
+    """
+    parts = []
+    scaling = (config.get("model") or {}).get("context_scaling")
+    if scaling:
+        shown = f"{scaling['method']}×{float(scaling['factor']):g}" if short else _scaling_words(scaling)
+        parts.append(f"{shown} in training")
+    if lineage:
+        name = lineage.get("parent_run_name") or Path(str(lineage.get("parent_run_dir", "?"))).name
+        if short:
+            parts.append(f"from {lineage.get('parent_scheme') or name}")
+        else:
+            parts.append(f"fine-tuned from {name} at step {lineage.get('parent_step')}")
+    elif config.get("init_from"):
+        parts.append(
+            f"from {Path(str(config['init_from'])).name}" if short else f"fine-tuned from {config['init_from']}"
+        )
+    return parts
+
+
 def plan(config: Mapping[str, Any], parent: Parent) -> dict[str, Any]:
     """The ``lineage`` record of fine-tuning ``config`` from ``parent``; refuses what cannot carry over in one line."""
     theirs, ours = parent.config["model"], config["model"]
@@ -187,6 +238,7 @@ def plan(config: Mapping[str, Any], parent: Parent) -> dict[str, Any]:
         "copied": sorted(shapes.keys() & parent_shapes.keys()),
         "fresh": sorted(shapes.keys() - parent_shapes.keys()),
         "dropped": sorted(parent_shapes.keys() - shapes.keys()),
+        "notes": _notes(config, parent, parent_model.label),
     }
 
 

@@ -8,6 +8,11 @@ the W&B logger is actually built.
 Sweep jobs log into their sweep's group, under a run id that stays the same when a job is relaunched, so a
 resumed job continues its own W&B run (offline: ``wandb sync`` uploads the pieces of one run in order).
 Only rank zero talks to W&B.
+
+W&B's step is set, not counted: the optimizer step while training, and for a later evaluation one past the last
+step the run logged (recorded in the run directory, ``wandb_step``). A resumed or re-evaluated run starts a new
+process, and offline a new folder, whose own count would restart at 0; W&B drops history rows below a resumed run's
+step, so a counted history would lose the resumed steps and every re-evaluation once synced.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 from posenc.jsonio import write_text
 from posenc.runs import global_rank
+from posenc.runs.records import WANDB_STEP_FILE
 
 
 def _api_key_configured() -> bool:
@@ -91,6 +98,39 @@ class ResumedCSVLogger(CSVLogger):
         return writer
 
 
+class SteppedWandbLogger(WandbLogger):
+    """Lightning's W&B logger with W&B's step set to the step Lightning logs at, and without a W&B warning.
+
+    Lightning passes the step as a metric (``trainer/global_step``, the charts' x axis) and lets W&B count its own
+    ``_step``; here both are the optimizer step, so the history of a run resumed in a new process continues where
+    it was instead of restarting at 0. Lightning also passes W&B ``anonymous=None``, which W&B answers with a
+    warning that the setting does nothing: it is not passed.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, resume="allow", **kwargs)
+        self._wandb_init.pop("anonymous", None)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+        if step is None:
+            super().log_metrics(metrics, step)
+            return
+        self.experiment.log({**metrics, "trainer/global_step": step}, step=step)
+
+
+def record_wandb_step(run_dir: Path, step: int) -> None:
+    """Note the last W&B step a run logged at: a later evaluation logs one past it."""
+    write_text(run_dir / WANDB_STEP_FILE, str(step))
+
+
+def next_wandb_step(run_dir: Path, trained_steps: int) -> int:
+    """The W&B step for an evaluation after training: past the run's last logged step and its trained steps."""
+    path = run_dir / WANDB_STEP_FILE
+    last = int(path.read_text().strip()) if path.is_file() and path.read_text().strip().isdigit() else -1
+    return max(last, trained_steps) + 1
+
+
 def build_loggers(
     cfg: dict[str, Any],
     run_dir: Path,
@@ -112,14 +152,12 @@ def build_loggers(
             return [ResumedCSVLogger(save_dir=str(run_dir), name="csv", version="", resume_step=resume_step)]
         return [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
     if kind == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
         mode = resolve_wandb_mode(cfg.get("mode", "auto"))
         if mode == "disabled":
             return []
         # Under ddp_spawn the workers attach to the run and put its media under WANDB_DIR, which they inherit.
         os.environ["WANDB_DIR"] = str(run_dir)
-        logger = WandbLogger(
+        logger = SteppedWandbLogger(
             project=cfg.get("project", "posenc"),
             entity=cfg.get("entity"),
             name=run_name,
@@ -128,7 +166,7 @@ def build_loggers(
             save_dir=str(run_dir),
             mode=mode,
             config=config,
-            id=cfg.get("id"),  # with Lightning's resume="allow": continue that run if it exists
+            id=cfg.get("id"),  # with resume="allow": continue that run if it exists
         )
         if mode == "offline" and global_rank() == 0:
             print(f"W&B is offline; the run is in {run_dir}/wandb. Upload it later with:")
@@ -144,7 +182,7 @@ def finish_loggers(loggers: list[Logger], success: bool) -> None:
     """
     for logger in loggers:
         logger.finalize("success" if success else "failed")
-        if type(logger).__name__ == "WandbLogger":
+        if isinstance(logger, WandbLogger):
             import wandb
 
             if wandb.run is not None:

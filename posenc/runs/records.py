@@ -7,7 +7,8 @@ A run directory holds:
 - ``run.json``: the summary (steps, tokens, eval figures), refreshed when the run is re-evaluated;
 - ``done.json``: written last, the mark of a complete run (a relaunched sweep skips it);
 - ``failed.json``: why a run stopped (a non-finite loss); a relaunch retries it and the report lists it apart;
-- ``wandb_id``: the W&B run id, so a resumed run continues its own W&B run.
+- ``wandb_id``: the W&B run id, so a resumed run continues its own W&B run; ``wandb_step``: the last W&B step
+  it logged at, so that an evaluation after training logs past it (``posenc.runs.loggers``).
 
 ``RunError`` carries every message meant for a user: one line saying what is wrong and what to do.
 """
@@ -28,6 +29,7 @@ DONE_FILE = "done.json"
 FAILED_FILE = "failed.json"
 RUN_FILE = "run.json"
 WANDB_ID_FILE = "wandb_id"
+WANDB_STEP_FILE = "wandb_step"
 CHECKPOINT = Path("checkpoints") / "last.ckpt"
 PREVIOUS_CHECKPOINT = CHECKPOINT.with_name("last-previous.ckpt")
 

@@ -42,6 +42,8 @@ class TokenAccounting(Callback):
         self.last_step, self.last_time, self.paused_at = 0, 0.0, None
         self.loop_seconds, self.loop_mark, self.loop_steps = 0.0, None, 0
         self.loads: list[float] = []  # the machine's 1-minute load average at each logged step
+        self.earlier: dict[str, float] | None = {"train_seconds": 0.0, "train_loop_seconds": 0.0}
+        self.fit_started: float | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         data = trainer.datamodule
@@ -51,6 +53,7 @@ class TokenAccounting(Callback):
         data.start_sample = self.resume_step * self.accounting["global_batch_size"]
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.fit_started = time.perf_counter()
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_hyperparams(self.accounting)
@@ -61,9 +64,26 @@ class TokenAccounting(Callback):
                 + (f"; resuming at step {self.resume_step}" if self.resume_step else "")
             )
 
-    def state_dict(self) -> dict[str, int]:
-        """Saved in every checkpoint, so that evaluating one later knows the tokens it was trained on."""
-        return dict(self.accounting)
+    def state_dict(self) -> dict[str, float]:
+        """Saved in every checkpoint: the tokens it was trained on (for evaluating it later) and the seconds spent."""
+        since = time.perf_counter() - self.fit_started if self.fit_started is not None else 0.0
+        return {**self.accounting, **(self.spent(since, self.loop_seconds) or {})}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A resumed run: the seconds its earlier processes spent on the steps the checkpoint holds."""
+        if "train_seconds" in state_dict:
+            self.earlier = {key: float(state_dict.get(key) or 0.0) for key in ("train_seconds", "train_loop_seconds")}
+        else:
+            self.earlier = None
+
+    def spent(self, seconds: float, loop_seconds: float) -> dict[str, float] | None:
+        """Seconds of this process added to the earlier processes'; ``None`` where those were not recorded."""
+        if self.earlier is None:
+            return None
+        return {
+            "train_seconds": self.earlier["train_seconds"] + seconds,
+            "train_loop_seconds": self.earlier["train_loop_seconds"] + loop_seconds,
+        }
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.last_step, self.last_time = trainer.global_step, time.perf_counter()

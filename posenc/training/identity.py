@@ -4,7 +4,9 @@ A run's identity is its resolved training config without the seed, paths and log
 the corpus fingerprint, plus the evaluation settings that change the numbers (everything in ``results["eval"]``
 but plots and batching): a re-evaluation with another eval-time option is another column. Runs of one scheme
 with different identities get separate columns whose labels name the difference (``alibi · max_steps=40``,
-``alibi · data=text``, ``rope · rope_scaling=yarn``).
+``alibi · data=text``, ``rope · rope_scaling=yarn``). A run fine-tuned from another (``init_from``) or trained with
+a RoPE context scaling says so in its column's label whatever else is reported beside it (``nope · from alibi``,
+``rope · yarn×4 in training · from rope``): it is never a plain column of its scheme.
 
 Older results carry no config: it is read from the run's ``done.json`` or ``.hydra/config.yaml``. A key missing
 from one run compares equal to the project's default for it when the default is known, and differs otherwise.
@@ -12,6 +14,7 @@ from one run compares equal to the project's default for it when the default is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -22,7 +25,7 @@ from omegaconf import OmegaConf
 
 from posenc.config import CONF_DIR
 from posenc.jsonio import read_record, record_path
-from posenc.runs import DONE_FILE, INTRODUCED, experiment_settings
+from posenc.runs import DONE_FILE, INTRODUCED, RUN_FILE, experiment_settings, provenance
 
 # Never part of an identity: the seed is what is pooled over; paths name where data lies (the fingerprint says
 # what it is); the training config's own eval section is replaced by the settings the results were made with.
@@ -160,11 +163,25 @@ def filled_in(settings: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any
     return {key: settings.get(key, INTRODUCED.get(key, defaults.get(key, UNSET))) for key in keys}
 
 
+def shown_label(result: Mapping[str, Any]) -> str:
+    """A result's label with what its run is beyond its scheme: ``rope · yarn×4 in training · from rope``.
+
+    The lineage is the result's own (training's evaluation), else its run's ``run.json`` (a re-evaluation's).
+    """
+    lineage = result.get("lineage")
+    if lineage is None and result.get("_source"):
+        with contextlib.suppress(SystemExit, OSError):
+            record = Path(str(result["_source"])).parent.parent / RUN_FILE
+            lineage = read_record(record).get("lineage") if record_path(record) is not None else None
+    parts = provenance(_saved_config(result) or {}, lineage, short=True)
+    return SEPARATOR.join([str(result["label"]), *parts])
+
+
 def columns(runs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """{column label: runs pooled in it}: runs of one label are split by identity, labels name the difference."""
     by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for run in runs:
-        by_label[run["label"]].append(run)
+        by_label[shown_label(run)].append(run)
     out: dict[str, list[dict[str, Any]]] = {}
     for label, group in by_label.items():
         settings = [identity(run) for run in group]

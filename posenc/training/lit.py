@@ -159,13 +159,16 @@ class LitDecoder(L.LightningModule):
                 continue
             (decay if param.ndim >= 2 else no_decay).append(param)
         lr = self.optim["lr"]
+        # Named, so that the logged learning rates say whose they are (lr-AdamW/weights, not lr-AdamW/pg1).
         groups = [
-            {"params": decay, "weight_decay": self.optim["weight_decay"]},
-            {"params": no_decay, "weight_decay": 0.0},
+            {"params": decay, "weight_decay": self.optim["weight_decay"], "name": "weights"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "norms_and_biases"},
         ]
-        if scheme:  # only for a learnable scheme: the logged lr-AdamW/pg* of the others keep their names
+        if scheme:  # only for a learnable scheme
             multiplier = float(self.optim.get("scheme_lr_multiplier", 1.0))
-            groups.append({"params": list(scheme.values()), "weight_decay": 0.0, "lr": lr * multiplier})
+            groups.append(
+                {"params": list(scheme.values()), "weight_decay": 0.0, "lr": lr * multiplier, "name": "scheme"}
+            )
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(self.optim["betas"]), eps=self.optim.get("eps", 1e-8))
         # LambdaLR scales each group's own initial lr: the scheme group stays at lr × multiplier all along.
         schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -10,10 +10,8 @@ import contextlib
 import errno
 import functools
 import json
-import logging
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,7 @@ from posenc.runs import (
     global_batch,
     lineage_tags,
     load_parent_weights,
+    provenance,
     read_checkpoint,
     resume_checkpoint,
     run_info,
@@ -48,30 +47,11 @@ from posenc.runs import (
     write_json,
 )
 from posenc.runs.checkpoint_io import AtomicCheckpointIO
-from posenc.runs.loggers import build_loggers, finish_loggers
+from posenc.runs.loggers import SteppedWandbLogger, build_loggers, finish_loggers, record_wandb_step
 from posenc.runtime import resolve_precision
 from posenc.training.callbacks import SaveOnInterrupt, TokenAccounting
+from posenc.training.console import CountedModelSummary, quiet_libraries, route_lightning_logging
 from posenc.training.lit import DivergedError, LitDecoder
-
-# Lightning warns when a run resumes mid-epoch because its dataloader cannot restore its position. Ours need not:
-# training windows are numbered, and a resumed run starts after those it trained on (TokenAccounting).
-warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
-
-
-def route_lightning_logging() -> None:
-    """Lightning's records through the application's handlers only (Hydra's console), so each prints once.
-
-    Lightning attaches its own console handler to its loggers when it is imported; under Hydra, whose root handler
-    also receives them, every line (the model summary, the Ctrl-C notice) would print twice. Without handlers on
-    the root logger (the Python API, tests) Lightning's own stay.
-    """
-    if not logging.getLogger().handlers:
-        return
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logger = logging.getLogger(name)
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
-        logger.propagate = True
 
 
 def fit(
@@ -90,6 +70,7 @@ def fit(
     ``failed.json`` and a ``RunError`` naming the step; the last checkpoint on disk is the last good one.
     """
     route_lightning_logging()
+    quiet_libraries()
     resume = resume_checkpoint(config.get("resume"), run_dir)
     resume_step = read_checkpoint(resume)[0] if resume is not None else 0
     L.seed_everything(config["seed"], workers=True, verbose=False)
@@ -101,6 +82,9 @@ def fit(
     samples = trainer_cfg["max_steps"] * config["data"]["batch_size"] * trainer_cfg["accumulate_grad_batches"]
     datamodule = build_datamodule(config, samples)
     data_info = check_data(datamodule)
+    lineage = parent[1] if parent is not None else None
+    what = "; ".join(provenance(config, lineage))
+    print(f"run {config['run_name']}{f' ({what})' if what else ''}: {_shown(run_dir)}")  # the first line
     run_dir.mkdir(parents=True, exist_ok=True)
     if config["logger"].get("kind") == "wandb" and not config["logger"].get("id"):
         config["logger"] = {**config["logger"], "id": wandb_id(run_dir)}  # a resumed run continues its W&B run
@@ -116,8 +100,8 @@ def fit(
             print(line)
     tags = [label, f"L{seq_len}", f"seed{config['seed']}", *module.model.scheme_names]
     logged_config = {**config, "label": label, "data_info": data_info}
-    if parent is not None:
-        checkpoint, lineage = parent
+    if parent is not None and lineage is not None:
+        checkpoint = parent[0]
         if resume is None:
             load_parent_weights(module.model, checkpoint, lineage)
             print(
@@ -125,6 +109,8 @@ def fit(
                 f"{checkpoint.step}); fresh: {', '.join(lineage['fresh']) or 'none'}; dropped: "
                 f"{', '.join(lineage['dropped']) or 'none'}"
             )
+            for note in lineage.get("notes") or []:
+                print(f"note: {note}")
         info["lineage"] = logged_config["lineage"] = lineage
         tags += lineage_tags(lineage)
     loggers = build_loggers(
@@ -143,6 +129,8 @@ def fit(
     ]
     if loggers:  # it only logs, and refuses to run without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if trainer_cfg.pop("enable_model_summary", True):  # ours in place of Lightning's default (training/console.py)
+        callbacks.append(CountedModelSummary())
     task = config["data"].get("task")
     curve = ValidationAccuracy() if task else None  # a task run's in-length accuracy at every validation
     if curve is not None:
@@ -168,7 +156,13 @@ def fit(
         # submitit requeues a job that is running out of time (SaveOnInterrupt saves first); Lightning's own
         # auto-requeue would requeue it a second time, from a checkpoint taken inside its signal handler.
         trainer_cfg["plugins"].append(SLURMEnvironment(auto_requeue=False))
-    trainer = L.Trainer(**trainer_cfg, logger=loggers or False, callbacks=callbacks, default_root_dir=str(run_dir))
+    trainer = L.Trainer(
+        **trainer_cfg,
+        enable_model_summary=False,  # Lightning's own would print beside ours, after a line saying it skipped itself
+        logger=loggers or False,
+        callbacks=callbacks,
+        default_root_dir=str(run_dir),
+    )
     started = time.perf_counter()
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
@@ -201,14 +195,25 @@ def fit(
     if resume is not None:
         first_window = resume_step * accounting["global_batch_size"]
         resumed_from = {"checkpoint": str(resume), "step": resume_step, "start_sample": first_window}
+    seconds, loop_seconds = time.perf_counter() - started, accounting_callback.loop_seconds
+    spent = accounting_callback.spent(seconds, loop_seconds) or {"train_seconds": None, "train_loop_seconds": None}
     summary: dict[str, Any] = {
         **info,
+        # steps, tokens and seconds over the same span: the whole run, from step 0 (a resumed run's earlier
+        # processes included); "segment" is what this process trained
         "steps": steps,
         **accounting,
         "tokens": steps * accounting["tokens_per_step"],
         "resumed_from": resumed_from,
-        "train_seconds": time.perf_counter() - started,
-        "train_loop_seconds": accounting_callback.loop_seconds or None,
+        "train_seconds": spent["train_seconds"],
+        "train_loop_seconds": spent["train_loop_seconds"] or None,
+        "segment": {
+            "from_step": resume_step,
+            "steps": steps - resume_step,
+            "tokens": (steps - resume_step) * accounting["tokens_per_step"],
+            "train_seconds": seconds,
+            "train_loop_seconds": loop_seconds or None,
+        },
         "tokens_per_sec": accounting_callback.tokens_per_sec(steps),
         "train_conditions": accounting_callback.conditions(module.device),
         "checkpoint": str(run_dir / CHECKPOINT),
@@ -221,10 +226,13 @@ def fit(
     try:
         finish_loggers(loggers, success=True)
         if trainer.is_global_zero:
+            if any(isinstance(logger, SteppedWandbLogger) for logger in loggers):
+                record_wandb_step(run_dir, trainer.global_step)  # a later evaluation logs past it
             for line in console_lines(positional_drift, label):
                 print(line)
             write_json(run_dir / RUN_FILE, summary)
             write_done(run_dir, config, steps)
+            print(_where(run_dir, [c for c in callbacks if isinstance(c, ExtrapolationEval)]))  # the last line
     except OSError as err:
         if (full := _disk_full(err)) is None:
             raise
@@ -244,6 +252,24 @@ def budget(model: Any, config: dict[str, Any]) -> dict[str, Any]:
     tokens = trainer["max_steps"] * config["data"]["batch_size"] * trainer.get("accumulate_grad_batches", 1)
     tokens *= config["data"]["seq_len"]
     return {"parameters": parameters, "tokens": tokens, "tokens_per_parameter": tokens / max(1, parameters)}
+
+
+def _shown(path: Path) -> Path:
+    """``path`` as typed from here: relative where it lies below the working directory (Hydra's are absolute)."""
+    with contextlib.suppress(ValueError):
+        return path.relative_to(Path.cwd())
+    return path
+
+
+def _where(run_dir: Path, evaluations: list[ExtrapolationEval]) -> str:
+    """The run's last console line: where its results and plots are."""
+    run = _shown(run_dir)
+    if not evaluations:
+        return f"done: {run}/{RUN_FILE} (no evaluation: eval.at_end=false; python -m posenc.evaluate {run})"
+    folders = ", ".join(f"{_shown(e.out_dir)}/{RESULTS_FILE}" for e in evaluations)
+    plots = sum(len(list(e.out_dir.glob("*.png"))) for e in evaluations)  # on disk: under ddp_spawn a child wrote them
+    shown = f"{plots} plot(s) beside them" if plots else "no plots (eval.plots=false)"
+    return f"done: results in {folders}; {shown}; {run}/{RUN_FILE}"
 
 
 def _full_disk_error(full: OSError, config: dict[str, Any], run_dir: Path, resume_command: str | None) -> RunError:
