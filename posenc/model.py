@@ -131,10 +131,23 @@ def schedule_label(entries: Sequence[str]) -> str:
 
 def encoding_label(spec: EncodingSpec) -> str:
     """Readable name of any encoding spec (a scheme, a stack, a schedule), without building it."""
-    names, _ = _split_spec(spec)
+    names, options = _split_spec(spec)
     if isinstance(names, PositionalEncoding):
         return names.label
-    return names if isinstance(names, str) else schedule_label(names)
+    if not isinstance(names, str):
+        return schedule_label(names)
+    try:
+        parts = stack_members(names)
+        if len(parts) == 1:
+            return scheme_class(names).label_of(options)
+        return "+".join(scheme_class(part).label_of(_keyed(options, part)) for part in parts)
+    except ValueError:  # not a registered scheme: the name as given (building it refuses it in one line)
+        return names
+
+
+def _keyed(options: Mapping[str, Any], part: str) -> Mapping[str, Any]:
+    value = options.get(part)
+    return value if isinstance(value, Mapping) else {}
 
 
 class Decoder(nn.Module):

@@ -53,3 +53,17 @@ def test_a_run_takes_its_schemes_tuned_rates_and_an_untuned_scheme_is_refused(tm
     assert apply_tuning(to_container(compose_train("+encoding=t5")))["optim"]["lr"] == config["optim"]["lr"]
     with pytest.raises(RunError, match="has no setting for fire"):
         apply_tuning(to_container(compose_train("+encoding=fire", f"optim.tuned={selection}")))
+
+
+def test_a_form_of_a_scheme_is_tuned_under_the_name_its_runs_carry() -> None:
+    # Two forms of stick-breaking in one sweep: each its own run name, column and selected setting.
+    from posenc.model import encoding_label
+
+    trained = {"name": "stick_breaking", "remainder": "head_bias", "head_norm": True}
+    assert encoding_label(trained) == "stick_breaking_trained" and encoding_label("stick_breaking") == "stick_breaking"
+    assert encoding_label({"name": "stick_breaking", "head_norm": True}) == "stick_breaking-head_norm"
+    recorded = {**_run("stick_breaking", 4e-3, 1, 1.5), "encoding": trained}  # labelled before forms read apart
+    chosen = select([recorded, _run("stick_breaking", 2e-3, 1, 1.6)])
+    assert set(chosen) == {"stick_breaking_trained", "stick_breaking"}
+    config = to_container(compose_train("+encoding=stick_breaking_trained"))
+    assert encoding_label(config["encoding"]) in chosen  # the comparison's run finds its own scheme's setting

@@ -186,10 +186,19 @@ class PositionalEncoding(nn.Module):
         self.head_dim = head_dim
         self.max_positions: int | None = None
 
+    @classmethod
+    def label_of(cls, options: Mapping[str, Any]) -> str:
+        """The readable name of this scheme built with ``options`` (a config's, before building it).
+
+        Its name, unless a variant of it must read apart wherever runs are named and compared: two forms of one
+        scheme in one sweep would otherwise share a run directory, a report column and a tuned setting.
+        """
+        return cls.name
+
     @property
     def label(self) -> str:
         """Readable name used in run names, W&B tags and reports."""
-        return self.name
+        return self.label_of({})
 
     @property
     def members(self) -> list[PositionalEncoding]:

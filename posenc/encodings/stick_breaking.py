@@ -43,6 +43,7 @@ says why).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -232,6 +233,22 @@ class StickBreaking(PositionalEncoding):
         # and each head's output is normalised with its own gain and offset (GroupNorm, one group per head).
         self.head_bias = nn.Parameter(torch.zeros(num_heads, head_dim)) if remainder == "head_bias" else None
         self.norm = nn.GroupNorm(num_heads, num_heads * head_dim) if self.head_norm else None
+
+    @classmethod
+    def label_of(cls, options: Mapping[str, Any]) -> str:
+        """``stick_breaking_trained`` for the form its paper's models trained (``head_bias`` and ``head_norm``).
+
+        Any other departure from the reference form is named after the name, so that no two forms share a run or column.
+        """
+        head_bias = options.get("remainder", "value") == "head_bias"
+        head_norm = bool(options.get("head_norm", False))
+        if head_bias and head_norm:
+            return f"{cls.name}_trained"
+        return cls.name + ("-head_bias" if head_bias else "") + ("-head_norm" if head_norm else "")
+
+    @property
+    def label(self) -> str:
+        return self.label_of({"remainder": self.remainder, "head_norm": self.head_norm})
 
     def _finish(self, out: Tensor) -> Tensor:
         """Each head's output (B, H, Lq, D) normalised over its D channels, as the trained layer does before o_proj."""

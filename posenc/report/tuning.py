@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.jsonio import write_text
+from posenc.model import encoding_label
 
 SELECTION_FILE = "selection.json"
 TIE = 0.002  # nats: below a tenth of the seed-to-seed spread of in-length loss at the tiny size (scheme-lr.md)
@@ -44,13 +45,23 @@ def _in_length_loss(run: dict[str, Any]) -> float | None:
     return None if row is None else row.get("loss")
 
 
+def _label(run: dict[str, Any]) -> str:
+    """The scheme's label as a run that takes the selection names it (``apply_tuning``).
+
+    Read from the encoding the run recorded, so that a form of a scheme (its options) is selected for under the name
+    its runs carry.
+    """
+    encoding = run.get("encoding")
+    return encoding_label(encoding) if encoding is not None else str(run["label"])
+
+
 def grid(results: Sequence[dict[str, Any]]) -> dict[str, dict[tuple[float, float], list[float]]]:
     """{scheme label: {(lr, multiplier): in-length validation losses, one a seed}} of the runs that have one."""
     points: dict[str, dict[tuple[float, float], list[float]]] = defaultdict(lambda: defaultdict(list))
     for run in results:
         loss = _in_length_loss(run)
         if loss is not None and math.isfinite(loss) and not run.get("failed"):
-            points[run["label"]][_setting(run)].append(float(loss))
+            points[_label(run)][_setting(run)].append(float(loss))
     return {label: dict(by_setting) for label, by_setting in points.items()}
 
 
