@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from posenc.report import build_report, find_results
-from posenc.report.preset import learned_seeds
+from posenc.report.preset import learned_seeds, recall_test
 from posenc.report.study import keep_records
 
 
@@ -66,10 +66,23 @@ def test_recall_is_compared_only_over_the_seeds_that_learned_it() -> None:
         rows = [{"length": 64, "accuracy": accuracy, "low": accuracy - 0.05, "keyless_exact": 0.25}]
         return {"seed": seed, "mqar": rows}
 
-    columns = {"alibi": [run(0, 0.9), run(1, 0.95)], "rope": [run(0, 0.9), run(1, 0.2)], "nope": [run(0, 0.1)]}
+    columns = {
+        "alibi": [run(0, 0.9), run(1, 0.95)],
+        "t5": [run(0, 0.9), run(1, 0.2), run(2, 0.92)],
+        "rope": [run(0, 0.9), run(1, 0.2)],
+        "nope": [run(0, 0.1)],
+    }
     kept, notes = learned_seeds(columns, 64)
-    assert [r["seed"] for r in kept["rope"]] == [0] and "nope" not in kept and len(kept["alibi"]) == 2
-    assert notes == ["rope learned (1 of 2 seeds)", "nope did not learn (0 of 1 seeds)"]
+    assert [r["seed"] for r in kept["t5"]] == [0, 2] and len(kept["alibi"]) == 2 and "nope" not in kept
+    assert [r["seed"] for r in kept["rope"]] == [0]  # kept, but noted as too few: recall_test compares two or more
+    windows = {"mqar_windows": [{"length": 64, "answers_per_window": 4, "right": [4, 3, 2, 4]}]}
+    one, two = [({"seed": 0, **windows}, {"seed": 0, **windows})], [({"seed": s, **windows},) * 2 for s in (0, 1)]
+    assert recall_test(one, 64) is None and recall_test(two, 64)["n"] == 2  # one seed: no seed variance to give
+    assert notes == [
+        "t5 learned (2 of 3 seeds)",
+        "rope learned (1 of 2 seeds, too few to compare)",
+        "nope did not learn (0 of 1 seeds)",
+    ]
 
 
 def test_a_ranking_at_two_budgets_is_set_side_by_side_with_kendalls_tau(tmp_path: Path) -> None:

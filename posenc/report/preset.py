@@ -57,6 +57,9 @@ def pairs(by_label: Columns, references: Sequence[str]) -> list[tuple[str, str]]
     return out
 
 
+MIN_LEARNED = 2  # seeds a recall comparison needs: one seed has no seed-to-seed variance to report
+
+
 def _shared(by_label: Columns, a: str, b: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     seeds_a = {run.get("seed"): run for run in by_label[a]}
     seeds_b = {run.get("seed"): run for run in by_label[b]}
@@ -86,7 +89,7 @@ def recall_test(pairs_: list[tuple[dict[str, Any], dict[str, Any]]], length: int
     """The accuracy difference's estimate, interval and p-value at one length (crossed bootstrap)."""
     grids = [(_window_accuracy(x, length), _window_accuracy(y, length)) for x, y in pairs_]
     grids = [(a, b) for a, b in grids if a is not None and b is not None and len(a) == len(b)]
-    if not grids or len({len(a) for a, _ in grids}) != 1:
+    if len(grids) < MIN_LEARNED or len({len(a) for a, _ in grids}) != 1:  # one seed: no seed variance to give
         return None
     return _record(crossed_difference([a for a, _ in grids], [b for _, b in grids], seed=length))
 
@@ -158,7 +161,9 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
 def learned_seeds(by_label: Columns, train_len: int) -> tuple[Columns, list[str]]:
     """Each MQAR column with only its seeds that learned at ``train_len``, and a note for each seed or column left out.
 
-    A column none of whose seeds learned "did not learn" and leaves the comparisons.
+    A column none of whose seeds learned "did not learn" and leaves the comparisons; one with fewer than
+    ``MIN_LEARNED`` learned seeds is noted as too few, since ``recall_test`` compares no fewer (an interval over one
+    seed could not carry the seeds' variance).
     """
     kept: Columns = {}
     notes = []
@@ -166,9 +171,10 @@ def learned_seeds(by_label: Columns, train_len: int) -> tuple[Columns, list[str]
         mine = [run for run in runs if learned(run.get("mqar") or [], train_len) is not False]  # None: unknown
         if len(mine) < len(runs):
             verdict = "did not learn" if not mine else "learned"
-            notes.append(f"{label} {verdict} ({len(mine)} of {len(runs)} seeds)")
+            few = ", too few to compare" if 0 < len(mine) < MIN_LEARNED else ""
+            notes.append(f"{label} {verdict} ({len(mine)} of {len(runs)} seeds{few})")
         if mine:
-            kept[label] = mine
+            kept[label] = mine  # a comparison still needs MIN_LEARNED of them (recall_test)
     return kept, notes
 
 
