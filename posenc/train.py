@@ -56,13 +56,34 @@ def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> 
         raise RunError(f"{err.full_key} must be set (e.g. {_example(err.full_key)})") from None
     # init_from: the parent's checkpoint first, whose resolved length settings an unset one keeps
     parent_run = read_parent(str(config["init_from"])) if config.get("init_from") is not None else None
+    unresolved = config
     config = resolve_length_settings(config, parent_run.config.get("encoding") if parent_run else None)
     config = apply_tuning(config)  # optim.tuned: the scheme's learning rates from a tuning's selection
-    validate(config)
+    try:
+        validate(config)
+    except RunError as err:
+        if parent_run is not None:  # scaled to this run's length instead: what the parent cannot give it
+            _refuse_from_parent(apply_tuning(resolve_length_settings(unresolved)), parent_run)
+        raise err from None
     parent = inherit(config, parent_run)  # what carries over is decided (or refused) before any work
     from posenc.training.loop import fit  # Lightning is imported only for a config that can run
 
     return fit(config, run_dir, resume_command, parent)
+
+
+def _refuse_from_parent(config: dict[str, Any], parent_run: Any) -> None:
+    """Raise the parent's refusal where it has one.
+
+    A run that inherits a setting it cannot train with (a learned table of the parent's size, say) is better told
+    what cannot carry over than how to change the setting alone: ``config`` has its settings scaled to its own
+    length, and the lineage says why the parent's cannot follow.
+    """
+    try:
+        inherit(config, parent_run)
+    except RunError:
+        raise
+    except Exception:  # an invalid config the lineage cannot even read: the config's own refusal stands
+        return
 
 
 def _example(key: str) -> str:

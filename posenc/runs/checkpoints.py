@@ -208,7 +208,7 @@ def check_consistency(trained: dict[str, Any], run_dir: Path, cfg: DictConfig) -
     if saved.exists():
         run_config = _saved_config(saved)
         for key in ("encoding", "model"):
-            if key in run_config and _plain(run_config[key]) != _plain(trained[key]):
+            if key in run_config and not _agrees(run_config[key], trained[key]):
                 raise SystemExit(
                     f"checkpoint/config mismatch in {key!r}: {run_dir}/.hydra/config.yaml says {run_config[key]} but "
                     f"the checkpoint was trained with {trained[key]}. The checkpoint was probably copied from another "
@@ -216,11 +216,24 @@ def check_consistency(trained: dict[str, Any], run_dir: Path, cfg: DictConfig) -
                 )
     for key in ("encoding", "model"):
         asked = OmegaConf.select(cfg, key)
-        if asked is not None and _plain(to_container(asked)) != _plain(trained[key]):
+        if asked is not None and not _agrees(to_container(asked), trained[key]):
             raise SystemExit(
                 f"checkpoint/config mismatch in {key!r}: the checkpoint was trained with {trained[key]} but the "
                 f"command asks for {to_container(asked)}. Evaluation always uses the trained model: drop the override."
             )
+
+
+def _agrees(config: Any, trained: Any) -> bool:
+    """Whether a config section says what the checkpoint was trained with.
+
+    A setting the config leaves unset (null: a length setting the run resolved from its training length, or
+    inherited from its parent) agrees with whatever value the run resolved and recorded.
+    """
+    if isinstance(config, dict) and isinstance(trained, dict):
+        unset = {key for key, value in config.items() if value is None}
+        config = {key: value for key, value in config.items() if key not in unset}
+        trained = {key: value for key, value in trained.items() if key not in unset}
+    return _plain(config) == _plain(trained)
 
 
 def _saved_config(path: Path) -> dict[str, Any]:

@@ -176,8 +176,11 @@ def resolve_length_settings(config: Mapping[str, Any], inherited: Mapping[str, A
 
     if not isinstance(config.get("encoding"), Mapping) or "name" not in config["encoding"]:
         return dict(config)
+    seq_len = (config.get("data") or {}).get("seq_len")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        return dict(config)  # nothing to scale to: the config's own check refuses the length in its words
     try:
-        encoding, record = scale_to_length(config["encoding"], int(config["data"]["seq_len"]), inherited)
+        encoding, record = scale_to_length(config["encoding"], seq_len, inherited)
     except ValueError as err:
         raise RunError(f"invalid encoding settings: {err}") from None
     return {**config, "encoding": encoding, "length_settings": record}
