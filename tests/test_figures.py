@@ -121,7 +121,7 @@ def test_single_panel_figures_show_their_whole_title_and_distances_from_zero(
     from posenc.report import drift
 
     kept = []
-    monkeypatch.setattr(drift, "_save", lambda fig, plt, path: kept.append(fig) or path)
+    monkeypatch.setattr(drift, "_save", lambda fig, path: kept.append(fig) or path)
     if figure == "learned_bias":
         curve = {"distances": list(range(200)), "by_head": [[-0.01 * d for d in range(200)]], "query_position": 199}
         drift._bias_figure({"t5": curve}, 64, tmp_path / "bias.png")

@@ -34,6 +34,7 @@ LAYERS = {
     "evaluate": 9,
     "cluster": 9,  # the SLURM launcher (above the sweep's bookkeeping) and the local cluster
     "training.callbacks": 9,
+    "training.console": 9,  # what the console and train.log show of a run: Lightning's own lines, quieted
     "training.loop": 10,
     "report": 10,
     "bench": 11,

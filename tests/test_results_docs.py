@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from posenc.jsonio import read_record
 from posenc.report import find_results
 from posenc.report.study import BEGIN, END, TRANSCRIBED, generated_block, keep_records, write_study
 
@@ -61,7 +62,7 @@ def test_a_study_document_regenerates_from_the_records_kept_beside_it(
     )  # runs, n, machine, torch, times
     records = Path("docs/results/reproduction/runs")
     kept = sorted(p.relative_to(records).as_posix() for p in records.rglob("*") if p.is_file())
-    assert "alibi-L32-s0/eval/results.json" in kept and "alibi-L32-s0/run.json" in kept
+    assert "alibi-L32-s0/eval/results.json.gz" in kept and "alibi-L32-s0/run.json.gz" in kept  # kept compressed
     assert not any(name.endswith(".ckpt") for name in kept)  # records only, never weights
     # Hand-written reading after the block survives; the block regenerates from the kept records alone.
     out.write_text(out.read_text() + "\n## Reading\n\nA claim naming its table.\n")
@@ -112,7 +113,7 @@ def test_runs_of_one_name_from_two_sweeps_keep_records_of_their_own(tmp_path: Pa
         (run / "eval" / "results.json").write_text(json.dumps(result))
     records = tmp_path / "kept"
     keep_records(find_results([tmp_path / "gpt2_init", tmp_path / "pytorch_init"]), records)
-    kept = {path.parent.parent.name: json.loads(path.read_text())["ppl"] for path in records.rglob("results.json")}
+    kept = {path.parent.parent.name: read_record(path)["ppl"] for path in records.rglob("results.json*")}
     assert kept == {"gpt2_init--alibi-L64-s0": 6.0, "pytorch_init--alibi-L64-s0": 5.0}
 
 
