@@ -33,8 +33,9 @@ from torch import nn
 
 import posenc.attention.flex as flex_backend
 from posenc.attention import get_backend
-from posenc.attention.flex import build_causal_block_mask
-from posenc.attention.flex_learnable import plan_bias_gradient, supports
+from posenc.attention.flex import build_causal_block_mask, flex_run, kernel_options
+from posenc.attention.flex_learnable import supports
+from posenc.attention.tables import plan_gradient, table_score_mod
 from posenc.encodings import available, build
 from posenc.encodings.base import PositionalEncoding
 from posenc.lane import fake
@@ -383,8 +384,16 @@ def run_case(case: Case, gpu: GPU, registers: bool = True) -> Iterator[StageResu
 
     def bias_gradient() -> None:
         with mode:
-            plan = plan_bias_gradient(encoding, q, pos[0])
-        compile_traced(plan.gradients, (q, k, v, out, lse, dout), compile_fx)
+            plan = plan_gradient(encoding, LENGTH)
+        options = kernel_options(encoding, q)
+
+        def gradients(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any) -> list[Any]:
+            def attend(table: Any) -> Any:
+                return flex_run(q, k, v, table_score_mod(table), return_lse=True, options=options)
+
+            return plan.gradients(q, k, v, out, lse, dout, attend)
+
+        compile_traced(gradients, (q, k, v, out, lse, dout), compile_fx)
 
     # flex_learnable's forward is flex's with the parameters detached: the same kernel, compiled in the flex case.
     stages = [] if case.path == "flex_learnable" else [("forward", forward)]
