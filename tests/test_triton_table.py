@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import SCHEMES, make
 
+import posenc.attention.auto as auto
 import posenc.attention.triton_table as triton_table
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
@@ -125,10 +126,15 @@ def test_table_gradient_is_every_distances_diagonal_sum() -> None:
     torch.testing.assert_close(got, table.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_unequal_blocks_and_many_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 16-query by 32-key tiles: the skewed diagonal reduction of a non-square tile, and 4 × 2 tiles per head.
-    monkeypatch.setattr(triton_table, "BLOCK_M", 16)
-    _assert_matches(ALL_DISTANCE_BIASES, 64)
+@pytest.mark.parametrize("block_m, block_n, length", [(16, 32, 64), (32, 16, 40)])
+def test_unequal_blocks_and_many_tiles(
+    monkeypatch: pytest.MonkeyPatch, block_m: int, block_n: int, length: int
+) -> None:
+    # Non-square tiles, taller or wider (GPU classes launch both): the skewed diagonal reduction of each, and
+    # 4 × 2 tiles per head (2 × 3 with a partial last query block).
+    monkeypatch.setattr(triton_table, "BLOCK_M", block_m)
+    monkeypatch.setattr(triton_table, "BLOCK_N", block_n)
+    _assert_matches(ALL_DISTANCE_BIASES if length == 64 else "kerple_log+t5", length)
 
 
 def test_head_dims_that_pad_or_fill_the_block() -> None:
@@ -203,10 +209,20 @@ def test_refuses_what_it_cannot_honour(monkeypatch: pytest.MonkeyPatch) -> None:
         attend(q, k, v, enc, pos, pos)
 
 
-def test_auto_never_picks_triton() -> None:
-    # Unmeasured on a GPU: a GPU session must benchmark it (python -m posenc.bench) before auto may choose it.
-    for name in [*SCHEMES, ALL_DISTANCE_BIASES]:
-        assert {choose(make(name), is_cuda=True), choose(make(name), is_cuda=False)}.isdisjoint({"triton"})
+def test_auto_picks_triton_only_where_a_measurement_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Unmeasured on a GPU: nothing recorded, so auto keeps its other choices on every GPU class.
+    names = [*SCHEMES, ALL_DISTANCE_BIASES]
+    before = {name: choose(make(name), is_cuda=True, capability=(9, 0)) for name in names}
+    assert auto.MEASURED_FASTER == {} and "triton" not in before.values()
+    assert all(choose(make(name), is_cuda=True) == before[name] for name in names)
+    # A recorded measurement (learnable tables on sm_90) moves exactly those schemes, on that GPU class only.
+    monkeypatch.setitem(auto.MEASURED_FASTER, (9, 0), frozenset({"learnable"}))
+    for name in names:
+        enc = make(name)
+        picked = choose(enc, is_cuda=True, capability=(9, 0))
+        assert picked == ("triton" if auto.table_kind(enc) == "learnable" else before[name]), name
+        assert choose(enc, is_cuda=True, capability=(8, 0)) == before[name]
+        assert choose(enc, is_cuda=False, capability=(9, 0)) != "triton"
 
 
 def test_deterministic_table_gradient_is_the_same_bits_on_every_run() -> None:

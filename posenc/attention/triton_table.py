@@ -16,7 +16,7 @@ block of distances once per query block into a buffer and sums it in a fixed ord
 run, at the cost of that buffer (B · H · (L / 64) · L fp32).
 
 Tiles and warps come per GPU class (``launch_config``), chosen so that every kernel compiles for sm_80, sm_89 and
-sm_90 within the device's shared memory and with no register spill (``python -m posenc.lane --table`` compiles them
+sm_90 within the device's shared memory and with no register spill (``python -m posenc.lane --only table`` compiles them
 and reports both). Opt-in only (``attention=triton``): the kernels are tested on CPU through Triton's interpreter,
 against ``eager``, values and gradients; their GPU speed is unmeasured, so ``auto`` picks this backend only where a
 recorded measurement says it is faster (``auto.MEASURED_FASTER``, empty until a GPU has timed it).
@@ -54,14 +54,36 @@ BLOCK_N = 64  # keys per tile off a GPU
 KERNELS = ("forward", "backward_dq", "backward_dq_deterministic", "backward_dkdv")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU class (compute capability), kernel, and (16-bit or fp32,
 # BLOCK_D ≤ 64 or 128): the smallest shared memory is the L4's / RTX 4090's (sm_89, 99 KiB a block), then the A100's
-# (sm_80, 163 KiB), the H100's (sm_90, 227 KiB). Each was compiled for its GPU by the kernel lane with no register
-# spill and within the device's shared memory (``python -m posenc.lane --table``; docs/gpu-kernels.md); how fast
-# each is, a GPU has yet to time. The deterministic dq kernel needs square tiles.
+# (sm_80, 163 KiB), the H100's (sm_90, 227 KiB). For each, the largest tiles of a few candidates that the kernel lane
+# compiled for that GPU with no register spill and within its shared memory (``python -m posenc.lane --only table``;
+# docs/gpu-kernels.md): the dq kernel, which also skews each tile to reduce the table's gradient, spilled 144–712
+# bytes with the forward's tiles. How fast each is, a GPU has yet to time. The deterministic dq kernel needs square
+# tiles.
 Tiles = tuple[int, int, int, int]
-_DEFAULT = {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (64, 64, 4, 3)}
+# Keyed (fp32, BLOCK_D): (False, 64) is bf16/fp16 at head dims up to 64, (False, 128) up to 128, (True, 64) fp32.
 TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
-    capability: dict.fromkeys(KERNELS, _DEFAULT) for capability in ((8, 0), (8, 9), (9, 0))
-}
+    (8, 0): {  # A100
+        "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
+        "backward_dq": {(False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 4, 2), (True, 64): (64, 32, 8, 2)},
+        "backward_dq_deterministic": {
+            (False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
+        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
+    },
+    (8, 9): {  # L4, RTX 4090
+        "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 3), (True, 64): (64, 32, 8, 2)},
+        "backward_dq": {(False, 64): (64, 32, 4, 2), (False, 128): (32, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
+        "backward_dq_deterministic": {
+            (False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
+        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 2), (True, 64): (32, 32, 4, 1)},
+    },
+    (9, 0): {  # H100, H200
+        "forward": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (64, 32, 8, 2)},
+        "backward_dq": {(False, 64): (64, 64, 8, 3), (False, 128): (32, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
+        "backward_dq_deterministic": {
+            (False, 64): (64, 64, 8, 3), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
+        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
+    },
+}  # fmt: skip
 
 
 def launch_config(
