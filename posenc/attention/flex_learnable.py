@@ -47,6 +47,17 @@ def supports(encoding: PositionalEncoding) -> bool:
     return forms == [] or (forms is not None and has_gradient_forms(encoding))
 
 
+def flex_gradients(
+    plan: GradientPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, options: Any = None
+) -> list[Tensor]:
+    """The plan's parameter gradients, Identity 1's forwards on FlexAttention, each reading one table."""
+
+    def attend(table: Tensor) -> tuple[Tensor, Tensor]:
+        return flex_run(q, k, v, table_score_mod(table), return_lse=True, options=options)
+
+    return plan.gradients(q, k, v, out, lse, dout, attend)
+
+
 class _AttachBiasGradient(torch.autograd.Function):
     """Identity on the attention output whose backward adds the bias parameters' gradients (see the docstring)."""
 
@@ -66,11 +77,7 @@ class _AttachBiasGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-
-        def attend(table: Tensor) -> tuple[Tensor, Tensor]:
-            return flex_run(q, k, v, table_score_mod(table), return_lse=True, options=ctx.options)
-
-        grads = ctx.plan.gradients(q, k, v, out, lse, dout, attend)
+        grads = flex_gradients(ctx.plan, q, k, v, out, lse, dout, options=ctx.options)
         return (dout, None, None, None, None, None, None, *grads)
 
 
