@@ -31,6 +31,13 @@ memory-efficient kernel takes the same broadcastable 4-D mask.
 A fixed bias (the scheme gives a ``bias_key``) is the same in every layer whose scheme has that key and in every
 window of the same positions, so its masked form is built once and kept in ``MASKS``, a small cache bounded in bytes:
 the layers of one forward and the windows of a long evaluation reuse it.
+
+A bias of the distance alone (``distance_only``: ALiBi, KERPLE, T5, Sandwich, stacks of them) is gathered from the
+scheme's (H, L) table (``tables.dense_bias``), not computed per (i, j) by its formula, and the mask's gradient comes
+back to the table one total per distance. Training such a bias on CPU through SDPA's math kernel (the only one that
+differentiates a mask) cost 1.6–2.6× ALiBi's step; a learnable table that declares gradient forms therefore trains on
+SDPA's CPU flash kernel both ways, held constant there, with its parameters' gradients from the forms
+(``tables.CpuTableAttention``).
 """
 
 from __future__ import annotations
