@@ -13,7 +13,7 @@ implementations registered: inside ``torch.compile`` each is one node of the blo
 The table's gradient adds tiles with atomics, whose order varies between runs; under
 ``torch.use_deterministic_algorithms(True)`` (what ``trainer.deterministic=true`` sets) the backward writes each
 block of distances once per query block into a buffer and sums it in a fixed order instead: the same bits on every
-run, at the cost of that buffer (B · H · (L / 64) · L fp32).
+run, at the cost of that buffer (B · H · (L / BLOCK_M) · L fp32).
 
 Tiles and warps come per GPU class (``launch_config``), chosen so that every kernel compiles for sm_80, sm_89 and
 sm_90 within the device's shared memory and with no register spill (``python -m posenc.lane --only table`` compiles them
