@@ -84,6 +84,7 @@ TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
         "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
     },
 }  # fmt: skip
+SMALLEST_SHARED_MEMORY = (8, 9)
 
 
 def launch_config(
@@ -93,7 +94,8 @@ def launch_config(
 
     The one source of these numbers: the kernels launch with them, and the kernel lane compiles each kernel for each
     GPU with them (``posenc.lane.table``). ``capability`` ``None`` (no GPU: the interpreter) takes ``BLOCK_M`` ×
-    ``BLOCK_N``; an unknown GPU takes the nearest known class below it.
+    ``BLOCK_N``; a GPU class the lane has not compiled for takes the L4's tiles, which fit the least shared memory
+    of the three (an RTX 3090 or 5090 has as little).
     """
     block_d = _next_power_of_2(head_dim)
     wide = 128 if block_d > 64 else 64
@@ -101,8 +103,7 @@ def launch_config(
     if capability is None:
         block_m, block_n, warps, stages = BLOCK_M, BLOCK_N, 4, 3
     else:
-        known = sorted(cap for cap in TILES if cap <= capability) or sorted(TILES)
-        block_m, block_n, warps, stages = TILES[known[-1]][kernel][fp32, wide]
+        block_m, block_n, warps, stages = TILES.get(capability, TILES[SMALLEST_SHARED_MEMORY])[kernel][fp32, wide]
     if kernel == "backward_dq_deterministic":
         block_n = block_m  # the halves of a tile's diagonal sums meet at block boundaries: square tiles
     return {
