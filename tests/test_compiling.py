@@ -185,7 +185,11 @@ def test_kernel_options_reach_flex_attention(monkeypatch: pytest.MonkeyPatch) ->
     assert len(calls) >= 4 and all(options == FP32_KERNEL_OPTIONS for options in calls)
     calls.clear()
     q16, k16, v16 = (t.detach().to(torch.bfloat16) for t in (q, k, v))
+    # A distance-only bias is read from its table (table tiles); a bias computed per score keeps torch's defaults.
+    per_score = next(n for n in available() if make(n).adds_bias and not make(n).adds_content_bias and not (
+        tables.reads_table(make(n)) or any(m.score_mod_reads_table for m in make(n).members)))  # fmt: skip
     with torch.no_grad():
         get_backend("flex")(q16, k16, v16, make("t5"), pos, pos)
         get_backend("flex")(q16, k16, v16, make("alibi"), pos, pos)
-    assert calls == [TABLE_KERNEL_OPTIONS, None]
+        get_backend("flex")(q16, k16, v16, make(per_score), pos, pos)
+    assert calls == [TABLE_KERNEL_OPTIONS, TABLE_KERNEL_OPTIONS, None]
