@@ -44,9 +44,27 @@ def reads_table(encoding: PositionalEncoding) -> bool:
     return encoding.adds_bias and encoding.distance_only and not encoding.adds_content_bias
 
 
+@torch.library.custom_op("posenc::materialize", mutates_args=())
+def materialize(table: Tensor) -> Tensor:
+    """A copy of ``table`` that a compiler must compute as a tensor of its own before any kernel reads it.
+
+    Inside a compiled block the table is computed in the same graph as the attention, and Inductor would otherwise
+    inline an elementwise table into FlexAttention's kernel, evaluating the scheme's formula (KERPLE's ``log1p``,
+    ``pow``) per score again: the kernel lane showed KERPLE-power's forward at 221 registers against ALiBi's 136.
+    An operator the compiler cannot see into is computed once, O(H · L), and read by index. (It also stops Inductor
+    failing on a table whose last operation is elementwise over a reduction's output, "convert FlexibleLayout to
+    FixedLayout first": ALiBi's table plus Sandwich's.)
+    """
+    return table.clone()
+
+
+materialize.register_fake(lambda table: torch.empty_like(table))
+materialize.register_autograd(lambda ctx, grad: grad)
+
+
 def distance_table(encoding: PositionalEncoding, length: int, detached: bool = False) -> Tensor:
     """(H, length) fp32: the scheme's bias at distances 0 .. length − 1, differentiable unless ``detached``."""
-    table = encoding.distance_bias(length).float()
+    table = materialize(encoding.distance_bias(length).float())
     return table.detach() if detached else table
 
 
