@@ -8,6 +8,7 @@ from conftest import HEAD_DIM, HEADS, SCHEMES, layer_features, make
 
 from posenc.attention import available_backends, get_backend
 from posenc.attention.auto import choose
+from posenc.encodings.base import PositionalEncoding
 
 LENGTH = 37  # not a multiple of any block size
 
@@ -114,8 +115,11 @@ def test_bf16_close_to_fp32(name: str) -> None:
 
 
 def test_bias_is_added_before_the_mask() -> None:
-    # A large positive bias on masked (future) entries must not leak: the mask comes after the bias.
-    class FutureLover(type(make("alibi"))):
+    # A large positive bias on masked (future) entries must not leak: the mask comes after the bias. (Not a function
+    # of the distance i − j ≥ 0 alone, so sdpa builds it from ``bias``, not from a distance table.)
+    class FutureLover(PositionalEncoding):
+        adds_bias = True
+
         def bias(self, q_pos, k_pos):
             return 1e4 * (k_pos[None, None, :] > q_pos[None, :, None]).float().expand(self.num_heads, -1, -1)
 

@@ -15,6 +15,7 @@ from conftest import HEAD_DIM, HEADS, make
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import posenc.attention.flex as flex
+import posenc.attention.tables as tables
 from posenc.attention import get_backend
 from posenc.attention.flex import FP32_KERNEL_OPTIONS, TABLE_KERNEL_OPTIONS, compiled_flex_attention, kernel_options
 from posenc.attention.flex_learnable import _AttachBiasGradient
@@ -149,9 +150,10 @@ def test_autograd_function_output_is_not_a_view() -> None:
 @pytest.mark.parametrize("name", [*available(), "alibi+kerple_log+t5", "rope+t5"])
 def test_table_biases_get_tiles_for_the_main_flex_kernel(name: str) -> None:
     enc = make(name)
-    reads_table = any(member.score_mod_reads_table for member in enc.members)
+    declared = any(member.score_mod_reads_table for member in enc.members)
     if any(isinstance(f, TableForm) for m in enc.members for f in m.bias_gradient_forms() or []):
-        assert reads_table  # a learned table is read through an index: the declaration must say so
+        assert declared  # a learned table is read through an index: the declaration must say so
+    reads_table = declared or tables.reads_table(enc)  # a distance-only bias is read from its table by every backend
     options = kernel_options(enc, torch.zeros(1, dtype=torch.bfloat16))
     assert (options is not None) == reads_table
     assert kernel_options(enc, torch.zeros(1)) == FP32_KERNEL_OPTIONS  # fp32 tiles whatever the scheme
@@ -183,7 +185,11 @@ def test_kernel_options_reach_flex_attention(monkeypatch: pytest.MonkeyPatch) ->
     assert len(calls) >= 4 and all(options == FP32_KERNEL_OPTIONS for options in calls)
     calls.clear()
     q16, k16, v16 = (t.detach().to(torch.bfloat16) for t in (q, k, v))
+    # A distance-only bias is read from its table (table tiles); a bias computed per score keeps torch's defaults.
+    per_score = next(n for n in available() if make(n).adds_bias and not make(n).adds_content_bias and not (
+        tables.reads_table(make(n)) or any(m.score_mod_reads_table for m in make(n).members)))  # fmt: skip
     with torch.no_grad():
         get_backend("flex")(q16, k16, v16, make("t5"), pos, pos)
         get_backend("flex")(q16, k16, v16, make("alibi"), pos, pos)
-    assert calls == [TABLE_KERNEL_OPTIONS, None]
+        get_backend("flex")(q16, k16, v16, make(per_score), pos, pos)
+    assert calls == [TABLE_KERNEL_OPTIONS, TABLE_KERNEL_OPTIONS, None]

@@ -47,7 +47,14 @@ def test_proof_trains_every_config_once_beside_the_gpu_tests(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     "stage, options",
-    [("proof", {}), ("speed", {}), ("speed", {"part": "train-step"}), ("repro", {}), ("repro", {"scheme": "rope"})],
+    [
+        ("proof", {}),
+        ("speed", {}),
+        ("speed", {"part": "train-step"}),
+        ("speed", {"part": "bias"}),
+        ("repro", {}),
+        ("repro", {"scheme": "rope"}),
+    ],
 )
 def test_every_stage_is_planned_inside_one_command(tmp_path: Path, stage: str, options: dict) -> None:
     steps = gpu_plan(stage, tmp_path, **options)
@@ -281,3 +288,22 @@ def test_the_proof_rehearsed_on_cpu(tmp_path: Path) -> None:
         members = archive.getnames()
     assert {"gpucheck/table.md", "logs/train-configs.log", "gpu-tests/junit.xml"} <= set(members)
     assert "| alibi | yes | yes |" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_bias_decomposition_rehearsed_on_cpu(tmp_path: Path) -> None:
+    # One command: every item timed (or its CPU refusal recorded) at a tiny shape, written as it goes, ≤ 8 files back.
+    process = session(tmp_path, "--stage", "speed", "--part", "bias", "--deadline", "200")
+    output, _ = process.communicate(timeout=220)
+    assert process.returncode == 0, output[-3000:]
+    assert "commands of the speed stage parse" in output
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["outputs.tar.gz", "summary.json", "summary.md"]
+    items = json.loads((tmp_path / "work" / "bias" / "bias.json").read_text())["items"]
+    assert items[0]["item"] == "sdpa flash" and items[0]["train_ms"] > 0
+    assert len(items) >= 12 and {"band pass", "fused table kernel", "captured-buffer gradient"} <= {
+        row["item"] for row in items
+    }
+    assert all(any(key.endswith(("_ms", "_error")) for key in row) for row in items)  # timed, or why not
+    summary = (out / "summary.md").read_text()
+    assert "Bias decomposition: B 1, H 2, L 32, D 16" in summary and "| band pass |" in summary

@@ -16,7 +16,7 @@ import pytest
 from conftest import SCHEMES, make
 
 from posenc.attention.flex_learnable import supports
-from posenc.lane import PINNED, version_mismatch
+from posenc.lane import PINNED, table, version_mismatch
 from posenc.lane.__main__ import failures
 from posenc.lane.flex import DTYPES, HEAD_DIMS, cases, schemes
 from posenc.lane.gpus import GPUS
@@ -90,10 +90,30 @@ def test_the_lane_refuses_other_versions_in_one_line() -> None:
 
 
 @pytest.fixture(scope="module")
-def lane_rows() -> list[dict]:
+def all_rows() -> list[dict]:
     _, rows, stderr = _lane()
     assert rows, stderr[-3000:]
     return rows
+
+
+@pytest.fixture(scope="module")
+def lane_rows(all_rows: list[dict]) -> list[dict]:
+    """FlexAttention's stages."""
+    return [row for row in all_rows if row.get("kind") != "table"]
+
+
+@pytest.mark.lane
+@needs_pinned
+def test_the_table_kernels_compile_fit_and_never_spill_on_every_gpu(all_rows: list[dict]) -> None:
+    # One compile per (GPU, kernel, dtype, head dim) covers every distance-only bias: the kernels read its table.
+    rows = [row for row in all_rows if row.get("kind") == "table"]
+    assert {(row["gpu"], row["kernel"], row["dtype"], row["head_dim"]) for row in rows} == {
+        (gpu, *unit) for gpu in GPUS for unit in table.units()
+    }
+    assert table.failures(rows) == []
+    compiled = [row for row in rows if "refused" not in row]
+    assert compiled and all(row["spills"] == 0 and row["registers"] for row in compiled)
+    assert {row["dtype"] for row in compiled} == set(table.DTYPES)  # fp32 at head dim 128 alone is refused
 
 
 @pytest.mark.lane

@@ -8,7 +8,9 @@ from conftest import HEAD_DIM, HEADS, SCHEMES, layer_features, make
 from torch.profiler import ProfilerActivity, profile
 
 import posenc.attention.sdpa as sdpa
+import posenc.attention.tables as tables
 from posenc.attention import get_backend
+from posenc.attention.tables import has_gradient_forms, reads_table
 from posenc.model import Decoder
 
 # sdpa refuses a scheme that supplies its own attention (tests/test_attention.py): every other scheme is its.
@@ -39,16 +41,19 @@ def _sdpa_kernels(name: str, queries: int, keys: int, train: bool) -> set[str]:
 def test_sdpa_takes_the_cpu_flash_kernel(name: str, queries: int, train: bool) -> None:
     # A 3-D (H, Lq, Lk) mask sends SDPA to its math kernel, several times slower on CPU: masks must arrive 4-D.
     # A mask that needs a gradient (a learnable or content-dependent bias, training) can only go to the math
-    # kernel, the one SDPA kernel that differentiates its mask; every other case must take the flash kernel.
+    # kernel, the one SDPA kernel that differentiates its mask, unless the bias is a distance table whose gradient
+    # comes from its declared forms; every other case must take the flash kernel.
     # A content bias with a key term (key_bias) rides in q and k instead of a mask: the flash kernel again. One
     # that reads the scores (reads_scores) trains through a plain softmax of the scores it already has: no SDPA.
     enc = make(name)
     kernels = _sdpa_kernels(name, queries, keys=33, train=train)
     term = enc.key_bias(torch.zeros(1, HEADS, 2, HEAD_DIM), torch.arange(2), layer_features(enc, 1, 2))
     folded = enc.adds_content_bias and not enc.adds_bias and term is not None
+    # A learnable distance table with gradient forms trains through the flash kernel both ways (``CpuTableAttention``).
+    table_trained = train and queries == 33 and enc.learnable_bias and has_gradient_forms(enc)
     if train and enc.reads_scores:
         assert MATH not in kernels and FLASH_CPU not in kernels, kernels
-    elif train and (enc.learnable_bias or enc.adds_content_bias) and not folded:
+    elif train and (enc.learnable_bias or enc.adds_content_bias) and not folded and not table_trained:
         assert MATH in kernels and FLASH_CPU not in kernels, kernels
     else:
         assert FLASH_CPU in kernels and MATH not in kernels, kernels
@@ -65,8 +70,15 @@ def _pair(name: str, depth: int = 3) -> tuple[Decoder, Decoder]:
 
 
 def _count_bias_calls(model: Decoder, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A one-element counter of ``bias`` calls made by any member of the model's layer schemes."""
+    """A one-element counter of dense biases built: gathered from a distance table, or the members' ``bias`` calls."""
     calls = [0]
+    original_mask = tables.distance_mask
+
+    def counted_mask(*args):
+        calls[0] += 1
+        return original_mask(*args)
+
+    monkeypatch.setattr(tables, "distance_mask", counted_mask)
     for member_type in {type(member) for enc in model.layer_encodings for member in enc.members}:
         original = member_type.bias
 
@@ -83,7 +95,8 @@ def test_fixed_bias_is_built_once_for_every_layer_and_window(name: str, monkeypa
     sdpa.MASKS.clear()
     model, _ = _pair(name)
     calls = _count_bias_calls(model, monkeypatch)
-    members = len(model.layer_encodings[0].members)
+    # One dense bias per build: the table's gather, or one ``bias`` call per member of the stack.
+    members = 1 if reads_table(model.layer_encodings[0]) else len(model.layer_encodings[0].members)
     tokens = torch.randint(0, 50, (2, 24))
     model(tokens).sum().backward()  # a training step: every layer shares one bias
     assert calls[0] == members

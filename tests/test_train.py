@@ -53,6 +53,7 @@ def test_run_records_the_training_loops_throughput_without_evaluation(tmp_path: 
     assert 0 < loop < saved["train_seconds"]
     assert saved["tokens_per_sec"] == pytest.approx(saved["tokens"] / loop)
     assert saved["tokens_per_sec"] > saved["tokens"] / saved["train_seconds"]
+    assert saved["train_conditions"]["resolved"] == {"alibi": "sdpa"}  # what attention=auto trained with on CPU
 
 
 def test_checkpoint_restores_the_model(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import SCHEMES, make
 
+import posenc.attention.auto as auto
 import posenc.attention.triton_table as triton_table
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
@@ -77,8 +78,10 @@ def _assert_matches(
     return got
 
 
-@pytest.mark.parametrize("length", [16, 40, 64])
-@pytest.mark.parametrize("name", [*DISTANCE_SCHEMES, ALL_DISTANCE_BIASES])
+# Every scheme over one partial block and several blocks; the stack of them all also over whole blocks.
+@pytest.mark.parametrize(
+    "name, length", [(n, length) for n in DISTANCE_SCHEMES for length in (16, 40)] + [(ALL_DISTANCE_BIASES, 64)]
+)
 def test_values_and_gradients_match_eager(name: str, length: int) -> None:
     got = _assert_matches(name, length)
     assert all(value is not None for value in got)  # every bias parameter receives its gradient
@@ -112,7 +115,7 @@ def test_table_gradient_is_every_distances_diagonal_sum() -> None:
     q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, device=DEVICE) for _ in range(3))
     table = torch.randn(HEADS, length, device=DEVICE, requires_grad=True)
     weights = torch.randn(2, HEADS, length, HEAD_DIM, device=DEVICE)
-    (triton_table.TableAttention.apply(q, k, v, table) * weights).sum().backward()
+    (triton_table.table_attention(q, k, v, table)[0] * weights).sum().backward()
     got, table.grad = table.grad, None
     pos = torch.arange(length, device=DEVICE)
     distance = pos[:, None] - pos[None, :]
@@ -123,10 +126,15 @@ def test_table_gradient_is_every_distances_diagonal_sum() -> None:
     torch.testing.assert_close(got, table.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_unequal_blocks_and_many_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 16-query by 32-key tiles: the skewed diagonal reduction of a non-square tile, and 4 × 2 tiles per head.
-    monkeypatch.setattr(triton_table, "BLOCK_M", 16)
-    _assert_matches(ALL_DISTANCE_BIASES, 64)
+@pytest.mark.parametrize("block_m, block_n, length", [(16, 32, 64), (32, 16, 40)])
+def test_unequal_blocks_and_many_tiles(
+    monkeypatch: pytest.MonkeyPatch, block_m: int, block_n: int, length: int
+) -> None:
+    # Non-square tiles, taller or wider (GPU classes launch both): the skewed diagonal reduction of each, and
+    # 4 × 2 tiles per head (2 × 3 with a partial last query block).
+    monkeypatch.setattr(triton_table, "BLOCK_M", block_m)
+    monkeypatch.setattr(triton_table, "BLOCK_N", block_n)
+    _assert_matches(ALL_DISTANCE_BIASES if length == 64 else "kerple_log+t5", length)
 
 
 def test_head_dims_that_pad_or_fill_the_block() -> None:
@@ -201,7 +209,67 @@ def test_refuses_what_it_cannot_honour(monkeypatch: pytest.MonkeyPatch) -> None:
         attend(q, k, v, enc, pos, pos)
 
 
-def test_auto_never_picks_triton() -> None:
-    # Unmeasured on a GPU: a GPU session must benchmark it (python -m posenc.bench) before auto may choose it.
-    for name in [*SCHEMES, ALL_DISTANCE_BIASES]:
-        assert {choose(make(name), is_cuda=True), choose(make(name), is_cuda=False)}.isdisjoint({"triton"})
+def test_auto_picks_triton_only_where_a_measurement_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Unmeasured on a GPU: nothing recorded, so auto keeps its other choices on every GPU class.
+    names = [*SCHEMES, ALL_DISTANCE_BIASES]
+    before = {name: choose(make(name), is_cuda=True, capability=(9, 0)) for name in names}
+    assert auto.MEASURED_FASTER == {} and "triton" not in before.values()
+    assert all(choose(make(name), is_cuda=True) == before[name] for name in names)
+    # A recorded measurement (learnable tables on sm_90) moves exactly those schemes, on that GPU class only.
+    monkeypatch.setitem(auto.MEASURED_FASTER, (9, 0), frozenset({"learnable"}))
+    for name in names:
+        enc = make(name)
+        picked = choose(enc, is_cuda=True, capability=(9, 0))
+        assert picked == ("triton" if auto.table_kind(enc) == "learnable" else before[name]), name
+        assert choose(enc, is_cuda=True, capability=(8, 0)) == before[name]
+        assert choose(enc, is_cuda=False, capability=(9, 0)) != "triton"
+
+
+def test_deterministic_table_gradient_is_the_same_bits_on_every_run() -> None:
+    # The atomics add tiles in whatever order a GPU runs them; torch.use_deterministic_algorithms(True) (what
+    # trainer.deterministic sets) switches to one store per block of distances and a fixed-order sum instead.
+    # 40 positions: 2 query blocks of 32, the last partial, the second reaching the first block of distances.
+    q, k, v, dout = (torch.randn(1, HEADS, 40, HEAD_DIM, device=DEVICE) for _ in range(4))
+    table = torch.randn(HEADS, 40, device=DEVICE)
+    out, lse = triton_table.table_attention(q, k, v, table)
+
+    def table_gradient() -> torch.Tensor:
+        return triton_table.table_attention_backward(dout, q, k, v, out, lse, table, True)[3]
+
+    atomic = table_gradient()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = table_gradient(), table_gradient()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(first, second) and first.abs().min() > 0  # every distance reached
+    torch.testing.assert_close(first, atomic, atol=1e-5, rtol=1e-4)
+
+
+def test_the_kernels_are_custom_ops_with_fake_and_autograd_implementations() -> None:
+    q, k, v = (torch.randn(1, 2, 20, HEAD_DIM, device=DEVICE, requires_grad=True) for _ in range(3))
+    table = torch.randn(2, 20, device=DEVICE, requires_grad=True)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.posenc.table_attention.default, (q, k, v, table), test_utils=checks)
+    out, lse = triton_table.table_attention(q, k, v, table)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, table.detach(), True)
+    torch.library.opcheck(torch.ops.posenc.table_attention_backward.default, args, test_utils=checks[0::2])
+
+
+def test_a_compiled_block_through_the_kernels_is_one_graph() -> None:
+    # The custom ops trace as single nodes: a block compiles whole, forward and backward, and trains as eager does.
+    torch._dynamo.reset()
+    kwargs = {"vocab_size": 50, "dim": 2 * HEAD_DIM, "depth": 1, "heads": 2}
+    reference = Decoder("kerple_log", attention="eager", **kwargs).to(DEVICE)
+    model = Decoder("kerple_log", attention="triton", **kwargs).to(DEVICE)
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(1, 24, 2 * HEAD_DIM, device=DEVICE)
+    pos = torch.arange(24, device=DEVICE)
+    compiled = torch.compile(model.blocks[0], backend="aot_eager", fullgraph=True)  # a graph break raises
+    weights = torch.randn(1, 24, 2 * HEAD_DIM, device=DEVICE)
+    (compiled(x, pos) * weights).sum().backward()
+    (reference.blocks[0](x, pos) * weights).sum().backward()
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if expected.grad is not None:
+            torch.testing.assert_close(got.grad, expected.grad, atol=1e-5, rtol=1e-4, msg=name)
+    torch._dynamo.reset()

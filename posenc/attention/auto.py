@@ -15,10 +15,16 @@
   per query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it;
 - a scheme that supplies its own attention (PaTH, stick-breaking), any device → ``scheme``: the scheme's own
   memory-bounded ``attend`` (no softmax kernel computes it; ``sdpa``, ``flex``, ``flex_learnable`` and ``triton``
-  refuse it).
+  refuse it);
+- a distance-only bias on a GPU class where a recorded measurement found ``triton`` (one fused kernel reading the
+  distance table, its gradient reduced per distance inside the backward) faster than the choice above, for that kind
+  of bias (``MEASURED_FASTER``) → ``triton``. None is recorded yet: its GPU speed has not been measured, so ``auto``
+  keeps the choices above on every GPU.
 
 The choice reads only what the scheme declares (``supplies_attention``, ``adds_content_bias``, ``adds_bias``,
-``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``) and whether gradients are being recorded.
+``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``, ``distance_only``), whether gradients are
+being recorded, and for ``MEASURED_FASTER`` the GPU's compute capability. A run records what it resolved to
+(``resolved``, in ``run.json``'s ``train_conditions``), as the benchmark does beside every ``auto`` row.
 """
 
 from __future__ import annotations
@@ -28,21 +34,56 @@ from torch import Tensor
 
 from posenc.attention import get_backend, register_backend
 from posenc.attention.flex_learnable import supports
+from posenc.attention.tables import reads_table
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path
 
+# GPU classes (compute capability) on which a GPU session measured ``attention=triton`` faster than ``auto``'s other
+# choice, per kind of distance-only bias ("learnable" or "fixed"), in the same process and shape. An entry cites its
+# measurement in docs/benchmarks.md; without one, auto keeps its other choice. Nothing is measured yet.
+MEASURED_FASTER: dict[tuple[int, int], frozenset[str]] = {}
 
-def choose(encoding: PositionalEncoding, is_cuda: bool, training: bool = True) -> str:
-    """Name of the backend ``auto`` uses for this scheme on this kind of device, training or not."""
+
+def table_kind(encoding: PositionalEncoding) -> str | None:
+    """Which table ``triton`` would run: "learnable", "fixed", or ``None`` (no distance table, or q, k widened)."""
+    if not reads_table(encoding) or encoding.qk_width != 1 or encoding.supplies_attention:
+        return None
+    return "learnable" if encoding.learnable_bias else "fixed"
+
+
+def choose(
+    encoding: PositionalEncoding, is_cuda: bool, training: bool = True, capability: tuple[int, int] | None = None
+) -> str:
+    """Name of the backend ``auto`` uses for this scheme on this kind of device (and GPU class), training or not."""
     if encoding.supplies_attention:
         return "scheme"
     if encoding.adds_content_bias or not encoding.adds_bias or not is_cuda:
         return "sdpa"
+    if capability is not None and table_kind(encoding) in MEASURED_FASTER.get(capability, frozenset()):
+        return "triton"
     if encoding.learnable_bias and supports(encoding):
         return "flex_learnable"
     if training and encoding.learnable_bias and not encoding.score_mod_differentiable:
         return "sdpa"
     return "flex"
+
+
+def resolved(backend: str, encodings: list[PositionalEncoding], device: torch.device, training: bool = True) -> dict:
+    """{scheme label: the backend it runs on} for a model built with ``backend``: what a run records it trained with."""
+    cuda = device.type == "cuda"
+    capability = torch.cuda.get_device_capability(device) if cuda and MEASURED_FASTER else None
+    return {enc.label: choose(enc, cuda, training, capability) if backend == "auto" else backend for enc in encodings}
+
+
+def triton_fits(q: Tensor, k: Tensor) -> bool:
+    """Self-attention over one window at a head dim and dtype the table kernels take."""
+    from posenc.attention.triton_table import check_shape
+
+    try:
+        check_shape(q.shape[-1], q.dtype)
+    except ValueError:
+        return False
+    return q.shape[-2] == k.shape[-2]
 
 
 @register_backend("auto")
@@ -55,5 +96,9 @@ def auto_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
 ) -> Tensor:
-    backend = choose(encoding, cuda_path(q), training=torch.is_grad_enabled())
+    # The GPU class is asked only once a measurement is recorded for one: today's choice needs no device query.
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda and MEASURED_FASTER else None
+    backend = choose(encoding, cuda_path(q), training=torch.is_grad_enabled(), capability=capability)
+    if backend == "triton" and not triton_fits(q, k):  # a shape the kernels refuse: the choice without them
+        backend = choose(encoding, cuda_path(q), training=torch.is_grad_enabled())
     return get_backend(backend)(q, k, v, encoding, q_pos, k_pos, features=features)

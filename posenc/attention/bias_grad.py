@@ -9,6 +9,10 @@ output gradient dO, never build an (L × L) tensor and never add into a paramete
 - Identity 2 (``TableForm``, a table constant from distance ``horizon`` on): every row of dS sums to zero, so the
   sums of dS along the ``horizon`` diagonals next to the main one give every entry but the last, and the last is
   minus their total. The band is computed in query chunks against a key window (O(L · horizon) work and memory).
+- Per distance: the gradient of a bias table read by distance (``tables.py``) is the sum of its mask's gradient
+  along each diagonal, dtable[h, d] = Σ_{b, i − j = d} dS_ij; ``diagonal_totals`` takes it for every distance at once
+  by skewing the (H, Lq, Lk) gradient (a pad and a reshape turn its diagonals into columns): no scatter, no atomics,
+  the same sum on every run.
 
 Everything here runs in fp32 (bias arithmetic, dS, the reductions), whatever the activations' dtype, autocast off.
 """
@@ -16,17 +20,13 @@ Everything here runs in fp32 (bias arithmetic, dS, the reductions), whatever the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posenc.encodings.base import ScoreMod, TableForm
+from posenc.encodings.base import TableForm
 from posenc.runtime import full_precision
-
-# (q, k, v, score_mod) -> (out (B, H, L, D), lse (B, H, L) fp32): one causal attention forward.
-Attend = Callable[[Tensor, Tensor, Tensor, ScoreMod], tuple[Tensor, Tensor]]
 
 BAND_CHUNK = 64  # queries per chunk of the band: the key window is BAND_CHUNK + horizon - 1 wide
 BAND_MAX_ELEMENTS = 1 << 24  # scores held at once by the band pass (64 MiB in fp32 per temporary)
@@ -38,23 +38,9 @@ def row_deltas(out: Tensor, dout: Tensor) -> Tensor:
     return torch.einsum("bhld,bhld->bhl", dout.float(), out.float())
 
 
-def with_log_factor(score_mod: ScoreMod | None, log_factor: ScoreMod) -> ScoreMod:
-    """The shifted score S + log f of Identity 1: the scheme's full (constant) bias, then log f on top."""
-
-    def shifted(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        if score_mod is not None:
-            score = score_mod(score, b, h, q_idx, kv_idx)
-        return log_factor(score, b, h, q_idx, kv_idx)
-
-    return shifted
-
-
 @full_precision
-def derivative_sums(
-    q: Tensor, k: Tensor, v: Tensor, lse: Tensor, dout: Tensor, deltas: Tensor, shifted_mod: ScoreMod, attend: Attend
-) -> Tensor:
-    """Σ_{b,i,j} dS_ij · f_ij per head (H,) by Identity 1: one attention forward with ``shifted_mod``."""
-    out_f, lse_f = attend(q, k, v, shifted_mod)
+def derivative_sums(lse: Tensor, dout: Tensor, deltas: Tensor, out_f: Tensor, lse_f: Tensor) -> Tensor:
+    """Σ_{b,i,j} dS_ij · f_ij per head (H,) by Identity 1, from the forward (``out_f``, ``lse_f``) with S + log f."""
     weight = torch.exp(lse_f.float() - lse.float())  # Σ_j P_ij f_ij; 0 on rows where f vanishes (lse' = -inf)
     per_row = torch.einsum("bhld,bhld->bhl", dout.float(), out_f.float()) - deltas
     # A row with f = 0 everywhere has no defined O' (zero or NaN depending on the kernel): its weight is 0.
@@ -121,3 +107,20 @@ def table_gradient(form: TableForm, diagonals: Tensor) -> Tensor:
     per_distance = torch.cat((near, -near.sum(dim=-1, keepdim=True)), dim=-1)  # (H, horizon + 1)
     grad = torch.zeros(form.table.shape, device=diagonals.device, dtype=torch.float32)
     return grad.index_add_(1, form.index.to(diagonals.device), per_distance)
+
+
+def diagonal_totals(grad: Tensor, offset: Tensor, span: int) -> Tensor:
+    """(H, span) fp32: Σ of ``grad`` (…, H, Lq, Lk) over the entries at distance d = offset + i − j, d = 0 .. span − 1.
+
+    Row i of the skewed copy holds row i of ``grad`` with its columns reversed and shifted right by i, so that entry
+    (i, j) lands in column t = i + Lk − 1 − j, which is distance offset + t − (Lk − 1) for every row. ``offset`` is a
+    tensor (the first query's distance to the first key): no host sync, and a compiled caller keeps one graph.
+    """
+    grad = grad.float().reshape(-1, *grad.shape[-3:]).sum(0)  # (H, Lq, Lk): a batch of masks shares the table
+    heads, rows, cols = grad.shape
+    width = rows + cols - 1
+    skewed = F.pad(grad.flip(-1), (0, rows)).reshape(heads, rows * (cols + rows))[:, : rows * width]
+    sums = skewed.reshape(heads, rows, width).sum(1)  # (H, width): column t is distance offset + t − (cols − 1)
+    column = torch.arange(span, device=grad.device) - offset + (cols - 1)
+    inside = (column >= 0) & (column < width)
+    return torch.where(inside, sums[:, column.clamp(0, width - 1)], 0.0)

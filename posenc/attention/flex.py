@@ -7,7 +7,8 @@ On CPU, FlexAttention runs the forward only (torch has no CPU backward for it), 
 CPU when gradients are needed rather than failing deep inside torch.
 
 Positions are assumed contiguous and shared by queries and keys (self-attention over one window): the kernel
-sees indices ``0..L-1`` and the mod receives them shifted by the window's first position.
+sees indices ``0..L-1``. A distance-only bias is read from its (H, L) table by i − j (``tables.py``); any other
+score_mod receives the indices shifted by the window's first position.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
+from posenc.attention.tables import distance_table, reads_table, table_score_mod
 from posenc.encodings.base import PositionalEncoding, ScoreMod
 from posenc.runtime import cuda_path
 
@@ -174,14 +176,28 @@ FP32_KERNEL_OPTIONS: dict[str, int | str] = {
 def kernel_options(encoding: PositionalEncoding, q: Tensor | None = None) -> dict[str, int | str] | None:
     """FlexAttention kernel options for this scheme and these queries: torch's defaults (``None``) where they serve.
 
-    Quarter-size tiles for fp32 queries, smaller tiles when a member's score_mod reads a table
-    (``score_mod_reads_table``); only the scheme's declarations and the queries' dtype decide, and each choice serves
-    the H100, the A100 and the L4 alike (``python -m posenc.lane`` compiles every one for each).
+    Quarter-size tiles for fp32 queries, smaller tiles when the kernel reads a table: a distance-only bias, which
+    every backend reads from its distance table (``tables.reads_table``), or a member whose own score_mod gathers
+    from one (``score_mod_reads_table``); only the scheme's declarations and the queries' dtype decide, and each
+    choice serves the H100, the A100 and the L4 alike (``python -m posenc.lane`` compiles every one for each).
     """
     if q is not None and q.element_size() >= 4:
         return dict(FP32_KERNEL_OPTIONS)
-    reads_table = any(member.score_mod_reads_table for member in encoding.members)
-    return dict(TABLE_KERNEL_OPTIONS) if reads_table else None
+    table = reads_table(encoding) or any(member.score_mod_reads_table for member in encoding.members)
+    return dict(TABLE_KERNEL_OPTIONS) if table else None
+
+
+def bias_score_mod(encoding: PositionalEncoding, q: Tensor, pos: Tensor, detached: bool = False) -> ScoreMod | None:
+    """The scheme's bias as the kernel reads it over the window of ``q`` at positions ``pos``; ``None`` without one.
+
+    A distance-only bias is read from its (H, L) table (``tables.table_score_mod``): one load per score, and no
+    position offset, since a distance does not depend on where the window starts. Any other bias is the scheme's own
+    score_mod at absolute positions. ``detached``: the bias as a constant (its parameters get no gradient here).
+    """
+    if reads_table(encoding):
+        return table_score_mod(distance_table(encoding, q.shape[-2], detached=detached))
+    mod = encoding.score_mod(detached=detached, num_distances=q.shape[-2])
+    return shifted(mod, pos[0]) if mod is not None else None
 
 
 def shifted(mod: ScoreMod, offset: Tensor) -> ScoreMod:
@@ -246,5 +262,4 @@ def flex_backend(
             "on a GPU (Inductor does not lower its backward). Train with attention=auto or attention=sdpa; flex "
             "evaluates it"
         )
-    mod = encoding.score_mod(num_distances=q.shape[-2])
-    return flex_run(q, k, v, shifted(mod, q_pos[0]) if mod is not None else None, options=kernel_options(encoding, q))
+    return flex_run(q, k, v, bias_score_mod(encoding, q, q_pos), options=kernel_options(encoding, q))

@@ -31,6 +31,13 @@ memory-efficient kernel takes the same broadcastable 4-D mask.
 A fixed bias (the scheme gives a ``bias_key``) is the same in every layer whose scheme has that key and in every
 window of the same positions, so its masked form is built once and kept in ``MASKS``, a small cache bounded in bytes:
 the layers of one forward and the windows of a long evaluation reuse it.
+
+A bias of the distance alone (``distance_only``: ALiBi, KERPLE, T5, Sandwich, stacks of them) is gathered from the
+scheme's (H, L) table (``tables.dense_bias``), not computed per (i, j) by its formula, and the mask's gradient comes
+back to the table one total per distance. Training such a bias on CPU through SDPA's math kernel (the only one that
+differentiates a mask) cost 1.6–2.6× ALiBi's step; a learnable table that declares gradient forms therefore trains on
+SDPA's CPU flash kernel both ways, held constant there, with its parameters' gradients from the forms
+(``tables.CpuTableAttention``).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from posenc.attention import refuse, refuse_supplied_attention, register_backend
+from posenc.attention.tables import CpuTableAttention, dense_bias, plan_gradient
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path, full_precision
 
@@ -53,6 +61,7 @@ CONTENT_TEMPORARIES = 32  # fp32 temporaries per content-bias element at once (D
 CONTENT_MEMORY_FRACTION = 8  # a chunk's temporaries may take 1/8 of a GPU's memory
 MAX_FOLDED_ROWS = 1024  # a folded key term spans ≤ 1024 positions' worth of decay per chunk: fp32-exact enough
 MAX_CACHED_BYTES = 1 << 28  # 256 MiB of kept masks: an 8-head fp32 mask up to L = 2048, or a few shorter ones
+FLASH_CPU = (torch.float32, torch.bfloat16, torch.float16)  # dtypes SDPA's CPU flash kernel takes
 
 
 class MaskCache:
@@ -130,7 +139,14 @@ def sdpa_attention(
         if q.shape[-2] == 1:
             return F.scaled_dot_product_attention(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
-    return sdpa_with_bias(q, k, v, encoding.bias, q_pos, k_pos, key=mask_key(encoding, q_pos, k_pos, q.dtype))
+    if encoding.learnable_bias and torch.is_grad_enabled() and q_pos is k_pos and not cuda_path(q):
+        plan = plan_gradient(encoding, k.shape[-2]) if q.dtype in FLASH_CPU else None
+        if plan is not None and plan.parameters:
+            rows = max(1, MAX_MASK_ELEMENTS // k.shape[-2])
+            return CpuTableAttention.apply(q, k, v, plan, rows, *plan.parameters)
+    # Every distance a contiguous window holds: the keys' count.
+    bias = dense_bias(encoding, k.shape[-2])
+    return sdpa_with_bias(q, k, v, bias, q_pos, k_pos, key=mask_key(encoding, q_pos, k_pos, q.dtype))
 
 
 def causal_mask(bias: Tensor, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor:

@@ -5,10 +5,10 @@ bias is a function of distance alone; the table comes from the scheme's ``distan
 FlashAttention-2's (online softmax, fp32 accumulation, the row log-sum-exp saved); the backward recomputes P
 from the lse with Δ_i = dO_i·O_i (computed by the caller), one kernel for dk, dv (a program per key block) and
 one for dq (a program per query block). The dq kernel also reduces the table's gradient,
-dtable[h, d] = Σ_{b, i−j=d} dS_ij: each tile's dS is skewed so that its diagonals become columns
-(``tl.gather``), summed over rows, and added with one atomic per (tile, distance) — not one per score, which is
-what made FlexAttention's backward of a learnable bias hundreds of times slower than the forward
-(``docs/learnable-bias-gradient.md``).
+dtable[h, d] = Σ_{b, i−j=d} dS_ij, per tile along its diagonals (``triton_tiles.py``): one atomic per
+(tile, distance), not one per score, which is what made FlexAttention's backward of a learnable bias hundreds of
+times slower than the forward (``docs/learnable-bias-gradient.md``); or, ``DETERMINISTIC``, each block of distances
+written once per query block into a buffer that the caller sums in a fixed order.
 
 Which mode the kernels run in is fixed when this module is imported: compiled for the GPU, or Python under
 Triton's interpreter when ``TRITON_INTERPRET=1`` is set (how the tests run them on CPU). The backend imports it
@@ -17,43 +17,16 @@ lazily, on its first call.
 
 # Triton's conventions: constexpr parameters in capitals, and no Python type hints on JIT arguments (Triton reads
 # annotations as specialisation hints, and the values are tensors of its own).
-# ruff: noqa: ANN001, ANN201, ANN202, N803
+# ruff: noqa: ANN001, ANN201, N803
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from posenc.attention.triton_tiles import LOG2E, _add_diagonal_sums, _diagonal_halves, _probs_and_dscores, _scores
+
 INTERPRETED = bool(triton.knobs.runtime.interpret)
-# exp(x) = exp2(x · log2 e): the kernels work in base 2, the lse is stored natural. A constexpr, because a
-# @triton.jit function may read no other module global: compiled for a GPU, a plain float here is a NameError at
-# the first launch (Triton's interpreter, which runs the kernels as Python, would not notice).
-LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _scores(
-    q,
-    k,
-    table_row,
-    rows,
-    cols,
-    length,
-    scale,
-    HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Scaled scores plus bias (BLOCK_M, BLOCK_N) in fp32 natural units, and where keys are causal and in range.
-
-    Rows past the length (the last block's padding) keep their causal keys, so the forward's softmax stays finite
-    there; they read no bias, and nothing of them is stored or, in the backward, counted.
-    """
-    distance = rows[:, None] - cols[None, :]
-    causal = (distance >= 0) & (cols[None, :] < length)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    if HAS_BIAS:
-        scores += tl.load(table_row + distance, mask=causal & (rows[:, None] < length), other=0.0)
-    return scores, causal
 
 
 @triton.jit
@@ -129,56 +102,6 @@ def forward_kernel(
 
 
 @triton.jit
-def _probs_and_dscores(
-    q,
-    k,
-    v,
-    dout,
-    lse,
-    delta,
-    table_row,
-    rows,
-    cols,
-    length,
-    scale,
-    HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """P recomputed from the lse, and dS = P ∘ (dO·vᵀ − Δ), both (BLOCK_M, BLOCK_N) fp32, zero outside the mask."""
-    scores, causal = _scores(q, k, table_row, rows, cols, length, scale, HAS_BIAS, PRECISION)
-    valid = causal & (rows[:, None] < length)
-    probs = tl.where(valid, tl.exp2((scores - lse[:, None]) * LOG2E), 0.0)
-    dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
-    return probs, probs * (dprobs - delta[:, None])
-
-
-@triton.jit
-def _add_diagonal_sums(
-    DTable,
-    dscores,
-    row_start,
-    col_start,
-    length,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    WIDTH: tl.constexpr,
-):
-    """dtable[d] += Σ over the tile's diagonal i − j = d of dS: one atomic per diagonal of the tile.
-
-    Column t of the skewed tile holds row r's entry at column r + BLOCK_N − 1 − t, so the tile's diagonal
-    i − j = t − (BLOCK_N − 1) becomes column t; WIDTH ≥ BLOCK_M + BLOCK_N − 1 columns cover every diagonal.
-    """
-    r = tl.arange(0, BLOCK_M)[:, None]
-    t = tl.arange(0, WIDTH)[None, :]
-    source_col = r + (BLOCK_N - 1) - t  # (BLOCK_M, WIDTH)
-    inside = (source_col >= 0) & (source_col < BLOCK_N)
-    skewed = tl.gather(dscores, tl.where(inside, source_col, 0), axis=1)
-    sums = tl.sum(tl.where(inside, skewed, 0.0), axis=0)  # (WIDTH,)
-    distance = row_start - col_start + tl.arange(0, WIDTH) - (BLOCK_N - 1)
-    tl.atomic_add(DTable + distance, sums, mask=(distance >= 0) & (distance < length))
-
-
-@triton.jit
 def backward_dq_kernel(
     Q,
     K,
@@ -208,6 +131,7 @@ def backward_dq_kernel(
     scale,
     HAS_BIAS: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -217,6 +141,9 @@ def backward_dq_kernel(
     """One query block: dq = Σ_j dS_ij k_j · scale, and (``BIAS_GRAD``) the table's gradient from its tiles.
 
     ``DOut`` and ``DQ`` share the strides ``stride_d*`` (both are laid out like the caller's contiguous dO).
+    ``DTable`` is the (H, L) gradient the atomics add into, or (``DETERMINISTIC``, square tiles) a zeroed buffer of
+    one row per (batch, head, query block), each ``tl.num_programs(0) · BLOCK_N`` distances long, which this program
+    fills with one store per block of distances it reaches.
     """
     scale = tl.cast(scale, tl.float32)  # Inductor passes a Python float as fp64: it would promote the loop
     start_m = tl.program_id(0)
@@ -237,6 +164,11 @@ def backward_dq_kernel(
     table_row = Table + h * stride_table
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # DETERMINISTIC: this program's row of the buffer, and the lower half of the previous tile's diagonal sums,
+    # which belong to the block of distances the next tile's upper half fills.
+    blocks = tl.num_programs(0)
+    partial_row = (batch_head.to(tl.int64) * blocks + start_m) * blocks * BLOCK_N
+    pending = tl.zeros([BLOCK_N], tl.float32)
     end = tl.minimum((start_m + 1) * BLOCK_M, length)
     for start_n in range(0, end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -248,9 +180,17 @@ def backward_dq_kernel(
         )
         dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
         if BIAS_GRAD:
-            _add_diagonal_sums(
-                DTable + h * length, dscores, start_m * BLOCK_M, start_n, length, BLOCK_M, BLOCK_N, WIDTH
-            )
+            if (
+                DETERMINISTIC
+            ):  # BLOCK_M == BLOCK_N: tile (m, n) holds distances (m − n)·B − (B − 1) .. (m − n)·B + B − 1
+                lower, upper = _diagonal_halves(dscores, BLOCK_N)
+                block = start_m - start_n // BLOCK_N
+                tl.store(DTable + partial_row + block * BLOCK_N + tl.arange(0, BLOCK_N), upper + pending)
+                pending = lower  # the last tile's (block −1: negative distances, masked) is dropped
+            else:
+                _add_diagonal_sums(
+                    DTable + h * length, dscores, start_m * BLOCK_M, start_n, length, BLOCK_M, BLOCK_N, WIDTH
+                )
     tl.store(DQ + d_offsets, (dq * scale).to(DQ.dtype.element_ty), row_ok & dim_ok)
 
 

@@ -44,6 +44,7 @@ from posenc.bench.attention import (
     resolve_device,
     resolve_dtype,
 )
+from posenc.bench.bias import decomposition
 from posenc.bench.compare import compare_cases, compare_markdown
 from posenc.bench.profile import profile_markdown
 from posenc.bench.step import train_step_cases
@@ -265,9 +266,12 @@ def markdown(results: dict[str, Any]) -> str:
 def run(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     """Run every measurement ``cfg`` asks for; write ``bench.json`` and ``bench.md`` into ``out_dir``."""
     device = resolve_device(cfg.device)
+    env = environment(device, resolve_dtype(cfg.dtype, device))
+    bias = decomposition(cfg, device, out_dir, env) if cfg.bias.run else []  # written item by item, first
     attention, reference = attention_cases(cfg, device)
     results = {
-        "environment": environment(device, resolve_dtype(cfg.dtype, device)),
+        "environment": env,
+        "bias": bias,
         "config": to_container(cfg),
         "attention": attention,
         "reference": reference,

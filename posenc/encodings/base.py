@@ -67,7 +67,8 @@ line (``posenc.attention.refuse_supplied_attention``).
 
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
-the O(L²) matrix.
+the O(L²) matrix. Offering it is the declaration (``distance_only``): every fast path then reads the table in place
+of ``score_mod`` and ``bias`` (``posenc/attention/tables.py``), which stay the reference the table is tested against.
 
 Schemes with a *learnable* bias may also say how its parameters can be differentiated without a per-score
 gradient (``bias_gradient_forms``): FlexAttention differentiates a score_mod that reads a trainable tensor with

@@ -63,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage", choices=plan.STAGES)
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--scheme", default="alibi")
+    parser.add_argument("--part", default="attention")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
-        options = plan.Options(args.stage, Path(work), length=args.length, scheme=args.scheme)
+        options = plan.Options(args.stage, Path(work), length=args.length, scheme=args.scheme, part=args.part)
         commands = hydra_commands(plan.build(options), Path(work))
     errors = compose_all(commands)
     for name, config, overrides in commands:

@@ -5,7 +5,8 @@ Each stage fits one command on a lent GPU (ten minutes at most, ``--deadline`` 5
 - ``proof``: every encoding config trains a few steps in bf16, compiled, and evaluates at 1× and 32×, plus one
   ``attention=triton`` run (``posenc.gpucheck``), beside the GPU tests named by path (``tests/test_gpu.py``);
 - ``speed``: the attention table at one length (``--length``, 8,192 first), or (``--part train-step``) the
-  whole-model train step, each alone on the machine;
+  whole-model train step, or (``--part bias``) the decomposition of a learnable bias's attention step against SDPA
+  flash at one shape (``posenc/bench/bias.py``), each alone on the machine;
 - ``repro``: one paper-scale scheme (``--scheme``) at L 512, trained until the time the evaluation needs is all
   that is left, a checkpoint only at the end.
 
@@ -66,7 +67,7 @@ class Options:
     work: Path
     deadline_s: float = 540.0
     length: int = 8192
-    part: str = "attention"  # speed: the attention table at ``length``, or the whole-model train step
+    part: str = "attention"  # speed: the attention table at ``length``, the whole-model train step, or the bias
     scheme: str = "alibi"
     configs: tuple[str, ...] = ()  # the proof's configs (default: every one)
     rehearse: bool = False
@@ -90,7 +91,15 @@ def build(options: Options) -> list[Step]:
             Step(
                 options.stage,
                 "commands-parse",
-                [*python, "-m", "posenc.gpu.commands", options.stage, f"--length={options.length}", scheme],
+                [
+                    *python,
+                    "-m",
+                    "posenc.gpu.commands",
+                    options.stage,
+                    f"--length={options.length}",
+                    scheme,
+                    f"--part={options.part}",
+                ],
                 planned_s=START_S,
             )
         )
@@ -163,6 +172,18 @@ def bench_graphs(length: int | None, train_step: bool) -> tuple[int, float, list
     return graphs, seconds, step_schemes
 
 
+# The bias decomposition's compiled graphs (posenc/bench/bias.py): FlexAttention's forward and training graphs of the
+# constant bias, the captured-buffer gradient and ALiBi's table and formula; the extra forwards with an lse (Identity 1,
+# and T5's tiles for the band); flex_learnable's two training graphs; the table kernel's four Triton kernels.
+BIAS_GRAPHS = 2 * 4 + 2 + 2 + 4
+BIAS_ITEMS = 14  # items timed, one or two modes each (each mode one case); two of them also profiled
+
+
+def bias_graphs() -> tuple[int, float]:
+    """(compiled graphs, seconds of timing) of the bias decomposition."""
+    return BIAS_GRAPHS, BIAS_ITEMS * 2 * CASE_S + 2 * PROFILE_S
+
+
 def profiled(schemes: list[str]) -> str:
     """The bench override that profiles each timed train step (what a slow one spends its time on)."""
     return "train_step.profile_schemes=[" + ",".join(dict.fromkeys(["nope", *schemes])) + "]"
@@ -174,7 +195,19 @@ def _speed(options: Options) -> list[Step]:
     if options.rehearse:
         bench += ["device=cpu", "model=tiny", "attention.heads=2", "attention.head_dim=16", "attention.tokens=256"]
         bench += ["train_step.seq_len=32", "train_step.batch_size=2", "warmup=1", "repeats=2"]
-    if options.part == "train-step":
+    if options.part == "bias":
+        graphs, timing = bias_graphs()
+        argv = [
+            *bench,
+            "attention.lengths=[]",
+            "train_step.schemes=[]",
+            "bias.run=true",
+            f"hydra.run.dir={work / 'bias'}",
+        ]
+        if options.rehearse:
+            argv += ["bias.batch=1", "bias.heads=2", "bias.length=32", "bias.head_dim=16", "bias.profile_steps=1"]
+        name = "bench-bias"
+    elif options.part == "train-step":
         graphs, timing, schemes = bench_graphs(None, True)
         argv = [*bench, "attention.lengths=[]", profiled(schemes), f"hydra.run.dir={work / 'train-step'}"]
         name = "bench-train-step"

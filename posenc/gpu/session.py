@@ -110,11 +110,14 @@ def planned_s(steps: list[Step]) -> float:
 
 
 def extra_lines(steps: list[Step], work: Path) -> list[str]:
-    """Results worth reading in ``summary.md`` itself: the proof's table, the paper-scale row by length."""
+    """What is worth reading in ``summary.md`` itself: the proof's table, the bias decomposition, a paper-scale row."""
     lines = []
     table = work / "gpucheck" / "table.md"
     if table.exists():
         lines += ["## Every config trained and evaluated (posenc.gpucheck)", "", table.read_text().strip()]
+    bias = work / "bias" / "bias.md"
+    if bias.exists():
+        lines += ["## The bias decomposition (posenc.bench, bias.run=true)", "", bias.read_text().strip()]
     for results in sorted((work / "repro").glob("*/eval/results.json")):
         rows = json.loads(results.read_text()).get("perplexity", [])
         lines += [
@@ -136,7 +139,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stage", choices=plan.STAGES, default="proof", help="what this command runs (default proof)")
     parser.add_argument("--length", type=int, default=8192, help="speed: the attention table's length (8192 first)")
     parser.add_argument(
-        "--part", choices=("attention", "train-step"), default="attention", help="speed: which table (attention)"
+        "--part",
+        choices=("attention", "train-step", "bias"),
+        default="attention",
+        help="speed: the attention table, the train step, or the bias decomposition (attention)",
     )
     parser.add_argument("--scheme", default="alibi", help="repro: the paper-scale scheme of this command")
     parser.add_argument("--configs", default="", help="proof: comma-separated configs (default: every one)")

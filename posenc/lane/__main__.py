@@ -1,13 +1,16 @@
-"""``python -m posenc.lane``: compile every FlexAttention kernel posenc's CUDA paths take, for GPUs that are not here.
+"""``python -m posenc.lane``: compile every GPU kernel posenc's CUDA paths take, for GPUs that are not here.
 
     python -m posenc.lane                          # every case on the H100, A100 and L4; a table per device
     python -m posenc.lane --gpu l4 --scheme t5     # a subset
+    python -m posenc.lane --only table             # just attention=triton's table kernels (a minute or two)
     python -m posenc.lane --markdown docs/gpu-kernels.md   # write the table the docs show
     python -m posenc.lane --json                   # one JSON row per stage (what the tests read)
     python -m posenc.lane --torch-defaults --gpu h100 --scheme t5   # what torch's own tile choices would do
 
+The cases are FlexAttention's (``posenc.lane.flex``) and ``attention=triton``'s table kernels (``posenc.lane.table``).
 Each GPU's cases run in processes of their own (the fake device is process-wide), ``--jobs`` at once. Exit status 1
-when a stage that must compile did not, or compiled over its device's shared memory; 0 otherwise. Needs the pinned
+when a stage that must compile did not, or compiled over its device's shared memory, or a table kernel spills
+registers; 0 otherwise. Needs the pinned
 torch and triton (``posenc.lane.PINNED``): anything else gets one line saying so, and exit status 2; so does a
 ``--scheme`` whose declarations keep every CUDA path off FlexAttention (``flex.not_on_flex`` says why).
 """
@@ -49,6 +52,14 @@ def run_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows = []
     index, count = (int(part) for part in args.shard.split("/"))
+    if args.only != "flex":
+        from posenc.lane.table import compile_kernel, units
+
+        for kernel, dtype, head_dim in units(dtypes, head_dims)[index::count]:
+            rows.append({"kind": "table", **compile_kernel(kernel, dtype, head_dim, GPUS[gpu])})  # spills: a finding
+            print(json.dumps(rows[-1]), flush=True)
+    if args.only == "table":
+        return rows
     for case in cases(args.scheme)[index::count]:
         if (dtypes and case.dtype not in dtypes) or (head_dims and case.head_dim not in head_dims):
             continue
@@ -95,6 +106,9 @@ def row_order(row: dict[str, Any], names: list[str]) -> tuple:
 
 def progress(row: dict[str, Any]) -> str:
     """One line for a finished stage: where, what, and how it went."""
+    if row.get("kind") == "table":
+        verdict = row.get("error") or row.get("refused") or f"{row['shared']} B shared, {row['spills']} B spilled"
+        return f"{row['gpu']}: table kernel {row['kernel']} {row['dtype']} d{row['head_dim']}: {verdict}"
     mode = "train" if row["training"] else "eval"
     verdict = "ok" if row["ok"] else ("refused, as declared" if row["refused"] else f"FAILED: {row['error']}")
     shared = max((kernel["shared"] for kernel in row["kernels"]), default=0)
@@ -102,7 +116,7 @@ def progress(row: dict[str, Any]) -> str:
     return f"{row['gpu']}: {case}: {verdict} ({shared} B shared, {row['seconds']:.0f} s)"
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], table_rows: list[dict[str, Any]] | None = None) -> str:
     """The docs' page: what wrote it, then per device and stage the largest template kernel's figures."""
     import datetime
 
@@ -136,6 +150,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
     lines += ["", "Compiled for no GPU, as their declarations say no CUDA path takes FlexAttention:", ""]
     lines += [f"- {name}: {reason}" for name, reason in skipped().items()]
+    if table_rows:
+        from posenc.lane.table import markdown as table_markdown
+
+        lines += table_markdown(table_rows)
     return "\n".join(lines) + "\n"
 
 
@@ -146,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", action="append", choices=["bf16", "fp32"], help="a dtype (default: both)")
     parser.add_argument("--head-dim", action="append", type=int, choices=[64, 128], help="a head dim (default: both)")
     parser.add_argument("--json", action="store_true", help="print one JSON row per stage")
-    parser.add_argument("--no-registers", action="store_true", help="skip ptxas's register and spill report")
+    parser.add_argument("--no-registers", action="store_true", help="no ptxas report for FlexAttention's kernels")
     parser.add_argument("--torch-defaults", action="store_true", help="torch's kernel options instead of posenc's")
+    parser.add_argument("--only", choices=["flex", "table"], help="FlexAttention's kernels, or the table kernels")
     parser.add_argument("--markdown", help="write the table to this file")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="GPUs compiled for at once")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one GPU, in this process
@@ -172,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [
         flag for flag, on in (("--no-registers", args.no_registers), ("--torch-defaults", args.torch_defaults)) if on
     ]
+    flags += ["--only", args.only] if args.only else []
     for flag, values in (("--scheme", args.scheme), ("--dtype", args.dtype), ("--head-dim", args.head_dim)):
         flags += [item for value in values or [] for item in (flag, str(value))]
 
@@ -204,18 +224,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"posenc.lane: the {gpu} worker stopped (exit {code}): {errors.strip()[-500:]}", file=sys.stderr)
             return 1
         rows += got
+    from posenc.lane import table
     from posenc.lane.flex import schemes
 
     names = schemes()
-    rows.sort(key=lambda row: row_order(row, names))
+    table_rows = [row for row in rows if row.get("kind") == "table"]
+    table_rows.sort(key=lambda row: (list(GPUS).index(row["gpu"]), table.units().index(
+        (row["kernel"], row["dtype"], row["head_dim"]))))  # fmt: skip
+    rows = sorted((row for row in rows if row.get("kind") != "table"), key=lambda row: row_order(row, names))
     if args.json:
-        for row in rows:
+        for row in rows + table_rows:
             print(json.dumps(row))
     else:
-        print(markdown(rows), end="")
+        print(markdown(rows, table_rows), end="")
     if args.markdown:
-        write_text(Path(args.markdown), markdown(rows))
-    found = failures(rows)
+        write_text(Path(args.markdown), markdown(rows, table_rows))
+    found = failures(rows) + table.failures(table_rows)
     for line in found:
         print(f"FAILED {line}", file=sys.stderr)
     return 1 if found else 0

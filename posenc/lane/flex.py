@@ -33,8 +33,9 @@ from torch import nn
 
 import posenc.attention.flex as flex_backend
 from posenc.attention import get_backend
-from posenc.attention.flex import build_causal_block_mask
-from posenc.attention.flex_learnable import plan_bias_gradient, supports
+from posenc.attention.flex import build_causal_block_mask, kernel_options
+from posenc.attention.flex_learnable import flex_gradients, supports
+from posenc.attention.tables import plan_gradient
 from posenc.encodings import available, build
 from posenc.encodings.base import PositionalEncoding
 from posenc.lane import fake
@@ -104,7 +105,7 @@ def not_on_flex(encoding: PositionalEncoding) -> str | None:
 def skipped() -> dict[str, str]:
     """{scheme: why the lane compiles nothing for it} over the registry: the schemes no FlexAttention path takes."""
     reasons = {name: not_on_flex(build(name, num_heads=HEADS, head_dim=64)) for name in available()}
-    return {name: reason for name, reason in reasons.items() if reason is not None}
+    return {name: reason for name, reason in reasons.items() if reason}
 
 
 def schemes() -> list[str]:
@@ -381,10 +382,11 @@ def run_case(case: Case, gpu: GPU, registers: bool = True) -> Iterator[StageResu
         compile_traced(attend, (q, k, v), lambda graph, inputs: calls.append(BackwardCall.of(graph, trainable)))
         compile_backward(calls[0])
 
-    def bias_gradient() -> None:
+    def bias_gradient() -> None:  # Identity 1's forwards read a table each, as flex_learnable's backward runs them
         with mode:
-            plan = plan_bias_gradient(encoding, q, pos[0])
-        compile_traced(plan.gradients, (q, k, v, out, lse, dout), compile_fx)
+            plan = plan_gradient(encoding, LENGTH)
+        options = kernel_options(encoding, q)
+        compile_traced(lambda *t: flex_gradients(plan, *t, options=options), (q, k, v, out, lse, dout), compile_fx)
 
     # flex_learnable's forward is flex's with the parameters detached: the same kernel, compiled in the flex case.
     stages = [] if case.path == "flex_learnable" else [("forward", forward)]

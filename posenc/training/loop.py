@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from posenc.attention.auto import resolved
 from posenc.encodings.length import coverage, coverage_lines, settings_line
 from posenc.evaluate import RESULTS_FILE, sliding_dir
 from posenc.evaluate.curve import ValidationAccuracy
@@ -215,7 +216,11 @@ def fit(
             "train_loop_seconds": loop_seconds or None,
         },
         "tokens_per_sec": accounting_callback.tokens_per_sec(steps),
-        "train_conditions": accounting_callback.conditions(module.device),
+        "train_conditions": {
+            **accounting_callback.conditions(module.device),
+            # Which backend each layer's scheme trained on: ``auto`` resolves by device and declaration.
+            "resolved": resolved(config["attention"]["name"], module.model.layer_encodings, module.device),
+        },
         "checkpoint": str(run_dir / CHECKPOINT),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
         "val_curve": curve.history if curve is not None else None,
