@@ -150,7 +150,14 @@ def test_a_run_records_drift_everywhere_and_evaluation_rebuilds_it(tmp_path: Pat
     module, _ = load_module(checkpoint, "cpu", None)
     rebuilt = from_checkpoint(load_checkpoint(checkpoint, mmap=True)["callbacks"], module.model)
     assert rebuilt["tensors"] == record["tensors"] and rebuilt["late_from_step"] == 9
-    assert rebuilt["function"] == pytest.approx(record["function"]) or rebuilt["function"] == record["function"]
+    assert len(rebuilt["function"]) == len(record["function"])
+    for again, first in zip(rebuilt["function"], record["function"], strict=True):  # per layer, to float precision
+        assert {k: v for k, v in again.items() if not isinstance(v, float)} == {
+            k: v for k, v in first.items() if not isinstance(v, float)
+        }
+        assert {k: v for k, v in again.items() if isinstance(v, float)} == pytest.approx(
+            {k: v for k, v in first.items() if isinstance(v, float)}
+        )
     assert rebuilt["late_speed_ratio"] == pytest.approx(record["late_speed_ratio"])
     assert rebuilt["curve"] == record["curve"]
 
