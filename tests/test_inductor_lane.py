@@ -16,12 +16,14 @@ import pytest
 from conftest import SCHEMES, make
 
 from posenc.attention.flex_learnable import supports
+from posenc.attention.tables import reads_table
 from posenc.lane import PINNED, table, version_mismatch
 from posenc.lane.__main__ import failures
 from posenc.lane.flex import DTYPES, HEAD_DIMS, cases, schemes
 from posenc.lane.gpus import GPUS
 
 MISMATCH = version_mismatch()
+EVERY_SHAPE = {(dtype, dim) for dtype in DTYPES for dim in HEAD_DIMS}
 needs_pinned = pytest.mark.skipif(
     MISMATCH is not None,
     reason=f"{MISMATCH}: run `pytest -m lane` in the lane environment (README, GPU check)",
@@ -52,7 +54,26 @@ def test_the_lane_covers_every_scheme_that_reaches_flex() -> None:
         if enc.learnable_bias and not enc.score_mod_differentiable:
             assert ("flex", False) in paths, name  # auto evaluates it on flex, and trains it elsewhere
         combos = {(case.dtype, case.head_dim) for case in listed if case.scheme == name and not case.refused}
-        assert combos == {(dtype, dim) for dtype in DTYPES for dim in HEAD_DIMS}, name
+        if reads_table(enc):  # the kernels are its kind's: every shape compiled once for the kind, its table at one
+            kind = {c.scheme for c in listed if reads_table(make(c.scheme))}
+            kind = {n for n in kind if make(n).learnable_bias == enc.learnable_bias}
+            combos_of_kind = {(c.dtype, c.head_dim) for c in listed if c.scheme in kind and not c.refused}
+            assert combos_of_kind == EVERY_SHAPE and combos, name
+        else:
+            assert combos == EVERY_SHAPE, name
+
+
+def test_only_the_first_table_scheme_of_a_kind_is_compiled_at_every_shape() -> None:
+    # The saving must come from schemes whose kernels are another's, never from one whose score_mod is its own.
+    listed = cases()
+    for name in {case.scheme for case in listed}:
+        shapes = {(c.dtype, c.head_dim) for c in listed if c.scheme == name and not c.refused}
+        if not reads_table(make(name)):
+            assert shapes == EVERY_SHAPE, name
+    firsts = [n for n in schemes() if reads_table(make(n))]
+    for learnable in (False, True):
+        first = next(n for n in firsts if make(n).learnable_bias == learnable)
+        assert {(c.dtype, c.head_dim) for c in listed if c.scheme == first and not c.refused} == EVERY_SHAPE
 
 
 def _row(**changes) -> dict:

@@ -35,7 +35,7 @@ import posenc.attention.flex as flex_backend
 from posenc.attention import get_backend
 from posenc.attention.flex import build_causal_block_mask, kernel_options
 from posenc.attention.flex_learnable import flex_gradients, supports
-from posenc.attention.tables import plan_gradient
+from posenc.attention.tables import plan_gradient, reads_table
 from posenc.encodings import available, build
 from posenc.encodings.base import PositionalEncoding
 from posenc.lane import fake
@@ -126,20 +126,28 @@ def cases(names: list[str] | None = None) -> list[Case]:
     flex backward is compiled, ``auto``'s path or not (``attention=flex`` takes it), with its trainable buffers, so
     Inductor's checks on the score_mod's joint graph run for each; a scheme that declares FlexAttention cannot
     differentiate it must be refused there (checked at one dtype and head dim: the refusal depends on neither).
+
+    A scheme read from its distance table (``tables.reads_table``) runs the same FlexAttention kernels as every other
+    such scheme of its kind (a fixed table, or one that trains): only the small graph that computes the table is its
+    own. The first scheme of each kind is compiled at every dtype and head dim, and the others at one, which compiles
+    each one's table graph and each kernel at every shape, in half the lane's time.
     """
     out = []
+    first_of_kind: dict[bool, str] = {}
     for name in names or schemes():
         encoding = build(name, num_heads=HEADS, head_dim=64)
         reason = not_on_flex(encoding)
         if reason is not None:
             raise ValueError(f"the lane has nothing to compile for {name}: it {reason}")
+        every_shape = not reads_table(encoding) or first_of_kind.setdefault(encoding.learnable_bias, name) == name
         trains_on_flex = not encoding.learnable_bias or encoding.score_mod_differentiable
         paths = [("flex", True)] if trains_on_flex else [("flex", False), ("flex", True)]
         if encoding.learnable_bias and supports(encoding):
             paths.append(("flex_learnable", True))
         for (path, training), dtype, head_dim in itertools.product(paths, DTYPES, HEAD_DIMS):
             case = Case(name, path, dtype, head_dim, training)
-            if not case.refused or (dtype, head_dim) == (next(iter(DTYPES)), HEAD_DIMS[0]):
+            first_shape = (dtype, head_dim) == (next(iter(DTYPES)), HEAD_DIMS[0])
+            if first_shape or (every_shape and not case.refused):
                 out.append(case)
     return out
 

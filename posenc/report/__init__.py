@@ -16,19 +16,30 @@ finds results, ``build`` assembles ``report.md`` from the sections listed in ``b
 ``build.FIGURES``, and ``__main__`` is the command line.
 """
 
-from posenc.report.build import FIGURES, SECTIONS, ReportOnSweepEnd, build_report
-from posenc.report.collect import find_results, results_from_wandb
-from posenc.report.perplexity import group_runs, perplexity_tables
-from posenc.report.tasks import task_tables
+from __future__ import annotations
 
-__all__ = [
-    "FIGURES",
-    "SECTIONS",
-    "ReportOnSweepEnd",
-    "build_report",
-    "find_results",
-    "group_runs",
-    "perplexity_tables",
-    "results_from_wandb",
-    "task_tables",
-]
+import importlib
+from typing import Any
+
+from posenc.report.on_sweep_end import ReportOnSweepEnd
+
+# Everything else is imported when first asked for: Hydra imports this package to build ``ReportOnSweepEnd`` at the
+# start of every run, and the report's modules would cost each one seconds of imports it does not use.
+_LAZY = {
+    "FIGURES": "posenc.report.build",
+    "SECTIONS": "posenc.report.build",
+    "build_report": "posenc.report.build",
+    "find_results": "posenc.report.collect",
+    "results_from_wandb": "posenc.report.collect",
+    "group_runs": "posenc.report.perplexity",
+    "perplexity_tables": "posenc.report.perplexity",
+    "task_tables": "posenc.report.tasks",
+}
+
+__all__ = ["ReportOnSweepEnd", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'posenc.report' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -10,21 +10,17 @@ are removed first, and unfinished ones unless the report was asked to include th
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
-
 from posenc.data.retrieval import RETRIEVAL_TASKS
-from posenc.jsonio import DiskFullError, write_text
+from posenc.jsonio import write_text
 from posenc.report.attention import attention_tables
 from posenc.report.budgets import budget_tables
-from posenc.report.collect import find_results, finished
+from posenc.report.collect import finished
 from posenc.report.common import Appendix, run_dir
-from posenc.report.cost import cost_plots_of, cost_section, log_cost_scatter
+from posenc.report.cost import cost_plots_of, cost_section
 from posenc.report.drift import drift_curve_plots, drift_tables, learned_bias_plots
 from posenc.report.effective import effective_tables
 from posenc.report.finetuned import finetuned_tables
@@ -165,32 +161,3 @@ def build_report(
     if write:
         write_text(out_dir / "report.md", markdown)
     return markdown
-
-
-class ReportOnSweepEnd(Callback):
-    """Hydra callback: when a multirun ends, write report.md and plots into the sweep directory.
-
-    Enable it in a sweep config with ``hydra.callbacks.report._target_: posenc.report.ReportOnSweepEnd``.
-    """
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        unreadable: list[str] = []
-        results = find_results([sweep_dir], unreadable)
-        if not results:
-            print(f"posenc.report: no results.json under {sweep_dir}; nothing to report")
-            return
-        try:
-            print(build_report(results, sweep_dir, left_out=unreadable))
-        except DiskFullError as full:
-            raise SystemExit(f"posenc.report: {full}. Free space, then: python -m posenc.report {sweep_dir}") from None
-        print(f"wrote {sweep_dir / 'report.md'}")
-        wandb = sys.modules.get("wandb")  # imported only when a W&B logger ran in this process
-        if wandb is not None and getattr(wandb, "run", None) is not None:
-            log_cost_scatter(results, wandb.run)
-        failed = [run["run_name"] for run in results if run.get("failed")]
-        if failed:  # the sweep ran every job, but it did not succeed: say so in the exit status
-            raise SystemExit(
-                f"{len(failed)} job(s) of this sweep failed ({', '.join(failed)}): see failed.json in their "
-                "directories; relaunching the sweep retries them"
-            )
