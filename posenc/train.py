@@ -39,10 +39,9 @@ from posenc.runs import (
     DONE_FILE,
     FAILED_FILE,
     RunError,
-    apply_tuning,
     inherit,
     read_parent,
-    resolve_length_settings,
+    resolve,
     validate,
 )
 from posenc.training.sweep import job_state, join_submitit_tasks, wandb_group, wandb_run_id
@@ -57,13 +56,12 @@ def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> 
     # init_from: the parent's checkpoint first, whose resolved length settings an unset one keeps
     parent_run = read_parent(str(config["init_from"])) if config.get("init_from") is not None else None
     unresolved = config
-    config = resolve_length_settings(config, parent_run.config.get("encoding") if parent_run else None)
-    config = apply_tuning(config)  # optim.tuned: the scheme's learning rates from a tuning's selection
+    config = resolve(config, parent_run.config.get("encoding") if parent_run else None)  # with optim.tuned's rates
     try:
         validate(config)
     except RunError as err:
         if parent_run is not None:  # scaled to this run's length instead: what the parent cannot give it
-            _refuse_from_parent(apply_tuning(resolve_length_settings(unresolved)), parent_run)
+            _refuse_from_parent(resolve(unresolved), parent_run)
         raise err from None
     parent = inherit(config, parent_run)  # what carries over is decided (or refused) before any work
     from posenc.training.loop import fit  # Lightning is imported only for a config that can run

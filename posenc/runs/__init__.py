@@ -39,6 +39,7 @@ from posenc.runs.checks import (
     config_problems,
     eval_problems,
     experiment_settings,
+    resolve,
     resolve_length_settings,
     validate,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "read_checkpoint",
     "read_json",
     "read_parent",
+    "resolve",
     "resolve_checkpoint",
     "resolve_length_settings",
     "resume_checkpoint",

@@ -288,3 +288,12 @@ def check_data(datamodule: TextDataModule | TaskDataModule) -> dict[str, Any]:
                 f"data.seq_len={datamodule.seq_len} + 1: give it more text or lower data.seq_len"
             )
     return info
+
+
+def resolve(config: Mapping[str, Any], inherited: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The settings a run trains with: its length settings resolved (``inherited`` as above), then its tuned rates.
+
+    One function, so that training, a fine-tune's refusal and a sweep's relaunch check resolve a config alike: a
+    relaunch compares what the earlier launch trained with against what this one would.
+    """
+    return apply_tuning(resolve_length_settings(config, inherited))

@@ -46,12 +46,11 @@ from posenc.runs import (
     DONE_FILE,
     FAILED_FILE,
     INTRODUCED,
-    apply_tuning,
     experiment_settings,
     last_good_checkpoint,
     read_checkpoint,
     read_json,
-    resolve_length_settings,
+    resolve,
     validate,
     write_json,
 )
@@ -119,7 +118,7 @@ def job_state(run_dir: Path, config: Mapping[str, Any]) -> JobState:
     else:
         return JobState(run_dir, failed=reason)
     # A length setting left unset resolves as the earlier launch resolved it (posenc/encodings/length.py).
-    config = apply_tuning(resolve_length_settings(config, earlier.get("encoding")))
+    config = resolve(config, earlier.get("encoding"))
     changes = setting_changes(earlier, config)
     if changes:
         raise SweepError(
