@@ -13,7 +13,8 @@ learnable positional parameters moved, and each scheme's bias by distance), ``pr
 references, Holm over the section), ``finetuned`` (a run fine-tuned from another beside its parent), ``paired``
 (tables), ``plots`` and ``cost`` (figures); ``collect``
 finds results, ``build`` assembles ``report.md`` from the sections listed in ``build.SECTIONS`` and
-``build.FIGURES``, and ``__main__`` is the command line.
+``build.FIGURES``, ``on_sweep_end`` the Hydra callback that writes a sweep's report when it ends, and ``__main__`` is
+the command line.
 """
 
 from __future__ import annotations
