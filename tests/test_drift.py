@@ -204,6 +204,8 @@ def test_the_report_marks_learnable_schemes_and_draws_their_bias(tmp_path: Path)
     section = markdown.split("## Positional parameters, trained at L=16")[1].split("\n## ")[0]
     table = [line for line in section.splitlines() if line.startswith("| ")]
     header = [cell.split(" (")[0].strip() for cell in table[0].split("|")[2:-1]]
+    assert header == ["alibi", "fire", "kerple_log‡", "t5‡"]  # under-trained, marked wherever the column stands
+    header = [name.rstrip("‡") for name in header]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table[1:]}
     marks = dict(zip(header, rows["mark"], strict=True))
     assert marks == {"alibi": "fixed", "kerple_log": "**still moving**", "fire": "settled", "t5": "**barely moved**"}
@@ -258,3 +260,32 @@ def test_the_report_tables_the_drift_curve_and_reads_an_older_runs_curve_from_it
     assert again.split("## Positional parameters by step, trained at L=16")[1].split("\n## ")[0].replace(
         str(tmp_path / "kept"), ""
     ) == section.replace(str(runs), "")
+
+
+def test_a_column_that_had_not_settled_is_marked_in_every_table_and_comparison(tmp_path: Path) -> None:
+    # A scheme still moving at the end of training is under-trained at that budget, not worse: each table that
+    # shows it, the comparisons fixed in advance included, says so beside its name and says in how many seeds.
+    for seed in (0, 1, 2):
+        _drift_result(tmp_path, "alibi", seed, None, None)
+        _drift_result(tmp_path, "nope", seed, None, None)
+        _drift_result(tmp_path, "t5", seed, 0.8, 0.2 if seed else 0.01)
+        _drift_result(tmp_path, "fire", seed, 0.9, 0.01)
+    for path in tmp_path.rglob("results.json"):
+        result = json.loads(path.read_text())
+        seed, base = result["seed"], {"alibi": 5.0, "nope": 6.0, "t5": 4.0, "fire": 4.5}[result["label"]]
+        result["eval"] = {"mode": "nonoverlap", "stride": None, "multiples": [1, 2]}
+        result["perplexity"] = [
+            {"length": 16 * m, "mode": "nonoverlap", "stride": None, "tokens": 512, "loss": math.log(ppl), "ppl": ppl,
+             "bpb": 1.0, "error": None, "multiple": m, "ratio": ppl / base}
+            for m, ppl in ((1, base + seed / 10), (2, base * 1.1 + seed / 10))
+        ]  # fmt: skip
+        path.write_text(json.dumps(result))
+    markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=False)
+    perplexity = markdown.split("## Trained at L=16")[1].split("\n## ")[0]
+    head = next(line for line in perplexity.splitlines() if line.startswith("| length"))
+    assert "t5‡ (n=3" in head and "fire (n=3" in head and "alibi (n=3" in head
+    assert "t5: still moving in 2 of 3 seeds" in perplexity and "fire: still moving" not in perplexity
+    preset = markdown.split("## Comparisons fixed in advance")[1]
+    heads = [line for line in preset.splitlines() if line.startswith("| length")]
+    assert heads and all("t5‡" in line and "fire‡" not in line for line in heads if "t5" in line)
+    assert "under-trained at this budget" in preset and "t5: still moving in 2 of 3 seeds" in preset

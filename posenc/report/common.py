@@ -209,8 +209,10 @@ def table_head(
     if appendix is not None and title is not None:
         appendix.add(title, by_label)
     gaps = {label: coverage_gaps(by_label[label]) for label in labels}
+    unsettled = {label: unsettled_seeds(by_label[label]) for label in labels}
     header = first + " | ".join(
-        f"{label}{UNREACHED if gaps[label] else ''} (n={len(by_label[label])} · {trained(by_label[label])})"
+        f"{label}{UNREACHED if gaps[label] else ''}{UNSETTLED if unsettled[label] else ''} "
+        f"(n={len(by_label[label])} · {trained(by_label[label])})"
         for label in labels
     )
     out = [header + " |", "|---:" * first.count("|", 1) + "|" + "---:|" * len(labels)]
@@ -230,11 +232,21 @@ def table_head(
             "",
             *out,
         ]
+    if any(unsettled.values()):
+        notes = "; ".join(f"{label}: {unsettled[label]}" for label in labels if unsettled[label])
+        out = [
+            f"{UNSETTLED} under-trained at this budget: its positional parameters were still moving at the end of "
+            f"training, or had barely moved from their initialisation (positional parameters, below), so its cells "
+            f"say what this budget gave it, not what the scheme learns — {notes}.",
+            "",
+            *out,
+        ]
     context = scored_on({label: by_label[label] for label in labels})
     return ([context, ""] if context else []) + out
 
 
 UNREACHED = "†"
+UNSETTLED = "‡"
 TUNED_KEYS = ("optim.lr=", "optim.scheme_lr_multiplier=", "optim.tuned=")
 
 
@@ -246,6 +258,19 @@ def coverage_gaps(runs: Sequence[dict[str, Any]]) -> str:
         for gap in (run.get("coverage") or {}).get("gaps", [])
     }
     return "; ".join(sorted(notes))
+
+
+def unsettled_seeds(runs: Sequence[dict[str, Any]]) -> str:
+    """How many of a column's seeds ended with positional parameters still moving, or barely moved; "" when none.
+
+    Read from each run's own ``positional_drift`` record, whose rule is the one its run was measured by.
+    """
+    records = [run.get("positional_drift") for run in runs]
+    moving = sum(1 for record in records if record and record.get("still_moving"))
+    barely = sum(1 for record in records if record and record.get("barely_moved"))
+    parts = [f"still moving in {moving} of {len(runs)} seeds"] if moving else []
+    parts += [f"barely moved in {barely} of {len(runs)}"] if barely else []
+    return ", ".join(parts)
 
 
 def tuned_settings(by_label: Columns) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 from posenc.evaluate.bootstrap import BootstrapResult, crossed_difference, crossed_log_ratio
 from posenc.evaluate.effective import learned
 from posenc.evaluate.stats import ALPHA, holm, paired_comparison
-from posenc.report.common import Columns, order
+from posenc.report.common import UNSETTLED, Columns, order, unsettled_seeds
 from posenc.report.perplexity import group_runs, protocol, value
 from posenc.report.retrieval import selected
 from posenc.report.tasks import task_columns
@@ -98,9 +98,11 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
     """Markdown lines of the section; empty when no table holds a reference and another column."""
     tests: list[tuple[str, str, str, int, dict[str, Any]]] = []  # (table, column, reference, length, result)
     tables: dict[str, tuple[int, str]] = {}  # table title -> (train_len, what the cells are)
+    unsettled: dict[str, str] = {}  # column -> its seeds whose positional parameters had not settled
 
     def compare(title: str, train_len: int, by_label: Columns, rows: str, test: Callable, kind: str) -> None:
         """Every column against each reference at every length of ``rows`` (``perplexity`` or ``mqar``)."""
+        unsettled.update({label: note for label, runs in by_label.items() if (note := unsettled_seeds(runs))})
         lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run[rows]})
         for column, reference in pairs(by_label, references):
             for length in lengths:
@@ -141,13 +143,22 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
             "length (k of n), since past it a seed that never learned measures its failure at 1×, not extrapolation. "
             "Left out: " + "; ".join(unlearned) + ".",
         ]
+    if unsettled:
+        out += [
+            "",
+            f"{UNSETTLED} under-trained at this budget (positional parameters still moving or barely moved): a "
+            "difference from such a column says what this budget gave the scheme, not what the scheme learns — "
+            + "; ".join(f"{label}: {note}" for label, note in unsettled.items())
+            + ".",
+        ]
     for title, (train_len, kind) in tables.items():
         mine = [(index, test) for index, test in enumerate(tests) if test[0] == title]
         for reference in dict.fromkeys(test[2] for _, test in mine):
             columns = list(dict.fromkeys(test[1] for _, test in mine if test[2] == reference))
             lengths = sorted({test[3] for _, test in mine if test[2] == reference})
             what = "perplexity ratio to" if kind == "ppl" else "accuracy minus that of"
-            out += ["", f"{title}: {what} {reference}", "", "| length | ×L | " + " | ".join(columns) + " |"]
+            named = [f"{column}{UNSETTLED if column in unsettled else ''}" for column in columns]
+            out += ["", f"{title}: {what} {reference}", "", "| length | ×L | " + " | ".join(named) + " |"]
             out.append("|---:|---:|" + "---:|" * len(columns))
             for length in lengths:
                 cells = []
