@@ -134,3 +134,19 @@ def test_single_panel_figures_show_their_whole_title_and_distances_from_zero(
     (ax,) = [ax for ax in fig.axes if ax.get_visible()]
     assert ax.get_xlim()[0] == 0  # no width spent on negative distances or steps
     assert not any(tick < 0 for tick in ax.get_xticks() if ax.get_xlim()[0] <= tick <= ax.get_xlim()[1])
+
+
+def test_a_long_conditions_note_under_the_cost_chart_makes_the_figure_taller_not_the_axes_vanish() -> None:
+    # A sweep of many columns in many conditions once raised "bottom cannot be >= top" and lost the whole report.
+    import matplotlib.pyplot as plt
+
+    from posenc.report.cost import NOTE_LINES, _note_below
+
+    fig, _ = plt.subplots(figsize=(8, 5))
+    _note_below(fig, "; ".join(f"column {i} · lr=0.004 · scheme_lr_multiplier=100 {i / 10:.2f}" for i in range(200)))
+    width, height = fig.get_size_inches()
+    assert width == 8 and height > 5
+    assert fig.subplotpars.bottom < fig.subplotpars.top
+    (text,) = fig.texts
+    assert text.get_text().count("\n") == NOTE_LINES - 1 and "the rest in the report's cost section" in text.get_text()
+    plt.close(fig)

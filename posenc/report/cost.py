@@ -146,6 +146,21 @@ def cost_points(by_label: Columns, bench: list[dict[str, Any]] | None = None) ->
     return points, against
 
 
+NOTE_LINES = 12  # a longer note (a sweep of many columns in many conditions) is cut: the report's table has it all
+
+
+def _note_below(fig: Any, note: str) -> None:
+    """``note`` under the axes, the figure made taller by its lines so that the axes keep their size however long."""
+    lines = textwrap.wrap(note, 130)
+    if len(lines) > NOTE_LINES:
+        lines = [*lines[: NOTE_LINES - 1], "… (the rest in the report's cost section)"]
+    width, height = fig.get_size_inches()
+    extra = 0.12 * len(lines)  # inches: 7-point lines
+    fig.set_size_inches(width, height + extra)
+    fig.subplots_adjust(bottom=(0.14 * height + extra) / (height + extra))
+    fig.text(0.01, 0.005, "\n".join(lines), fontsize=7, color="firebrick", va="bottom")
+
+
 def cost_plots(groups: dict[Key, Columns], out_dir: Path, bench: list[dict[str, Any]] | None = None) -> list[Path]:
     """One PNG per (training length, mode): each column a point with its seed interval as an error bar.
 
@@ -182,9 +197,7 @@ def cost_plots(groups: dict[Key, Columns], out_dir: Path, bench: list[dict[str, 
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), numpoints=1)
         note = None if bench_speeds(by_label, bench or []) else conditions_note(by_label)
         if note:
-            wrapped = textwrap.fill(note, 130)
-            fig.subplots_adjust(bottom=0.14 + 0.03 * wrapped.count("\n"))
-            fig.text(0.01, 0.005, wrapped, fontsize=7, color="firebrick", va="bottom")
+            _note_below(fig, note)
         ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
         low, high = min(p["throughput"] for p in points), max(p["throughput"] for p in points)
         ax.set_xlim(low - 0.05 * max(high - low, 0.2), high + 0.05 * max(high - low, 0.2))
