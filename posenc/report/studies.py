@@ -62,7 +62,8 @@ STUDIES = {
     "tuning": Study(
         "The same tuning for every scheme: one grid, selected on validation",
         "python -m posenc.train -m -cd sweeps -cn tune  # the schemes with parameters, the whole grid\n"
-        "python -m posenc.train -m -cd sweeps -cn tune +encoding=alibi,rope,nope optim.scheme_lr_multiplier=1",
+        "python -m posenc.train -m -cd sweeps -cn tune +encoding=alibi,rope,nope optim.scheme_lr_multiplier=1\n"
+        "python -m posenc.train -m -cd sweeps -cn tune +encoding=t5 optim.scheme_lr_multiplier=1000  # past T5's edge",
         "outputs/sweeps/tune",
         tuning=True,
     ),
