@@ -143,3 +143,9 @@ def test_the_cost_study_keeps_the_benchmark_beside_the_runs_and_regenerates_from
     shutil.rmtree("outputs")
     again = write_study("cost", ["docs/results/cost/runs"], out, make_plots=False)
     assert generated_block(again) == block
+
+
+def test_the_results_folder_stays_small_enough_for_a_quick_clone() -> None:
+    # Only what each study's report reads is kept, compressed: every study together under 20 MB.
+    size = sum(path.stat().st_size for path in RESULTS.rglob("*") if path.is_file())
+    assert size < 20_000_000, f"docs/results/ holds {size / 1e6:.1f} MB: keep only what the reports read, compressed"
