@@ -74,13 +74,13 @@ def test_report_leaves_unfinished_runs_out_and_flags_what_differs(runs: dict[str
     header = next(line for line in markdown.splitlines() if line.startswith("| length |"))
     assert "t5" not in header  # unfinished: not a column ...
     assert "## Unfinished runs (1," in markdown and f"trained to step 3 of 100 ({runs['t5']})" in markdown
-    assert "rope (n=1 · 2 steps · 128 tokens)" in header and "kerple_log (n=1 · 2 steps · 128 tokens)" in header
+    assert "rope (n=1 · 2 steps · 128 tokens)" in header and "kerple_log‡ (n=1 · 2 steps · 128 tokens)" in header
     appendix = markdown.split("## Appendix: the runs in each column")[1]
     assert f"- rope: {runs['rope']}" in appendix and f"- kerple_log: {runs['kerple_log']}" in appendix
 
     everything = build_report(find_results(runs.values()), tmp_path / "all", False, include_unfinished=True)
     header = next(line for line in everything.splitlines() if line.startswith("| length |"))
-    assert "t5 (n=1 · 3 steps · 192 tokens)" in header  # ... unless asked, and then with its steps
+    assert "t5‡ (n=1 · 3 steps · 192 tokens)" in header  # ... unless asked, and then with its steps
     flagged = next(line for line in everything.splitlines() if "differ in more than their scheme" in line)
     assert "t5: trainer.max_steps=100" in flagged and "rope: trainer.max_steps=2" in flagged
 
