@@ -105,4 +105,33 @@ def test_a_ranking_at_two_budgets_is_set_side_by_side_with_kendalls_tau(tmp_path
     assert "## Rankings by budget, trained at L=32 — nonoverlapping windows" in text
     row = next(line for line in text.splitlines() if line.startswith("| rope |"))
     assert row.startswith("| rope | 2/2 | 4.500 (2) | 3.000 (1) |")
-    assert "1×: Kendall's τ between 600 and 2400 steps = 0.67 (4 schemes)." in text
+    assert "1×: Kendall's τ between 600 and 2400 steps = 0.67 (4 schemes; 95% interval over seeds 0.67 to 0.67" in text
+    # identical seeds leave nothing to draw: the one swap (rope and t5) is firm at both budgets
+    assert "Pairs whose order differs: rope and t5 (firm at both budgets)." in text
+
+
+def _budget_runs(steps: int, seeds: dict[str, list[float]]) -> list[dict]:
+    runs = []
+    for label, ppls in seeds.items():
+        for seed, ppl in enumerate(ppls):
+            rows = [{"length": 32, "mode": "nonoverlap", "stride": None, "error": None, "ppl": ppl, "ratio": 1.0}]
+            runs.append(
+                {"label": label, "train_len": 32, "seed": seed, "perplexity": rows, "training": {"steps": steps}}
+                | {"eval": {"mode": "nonoverlap", "stride": None}}
+            )
+    return runs
+
+
+def test_a_swap_within_the_seeds_spread_is_told_from_one_the_budget_made() -> None:
+    from posenc.report.budgets import budget_tables
+
+    # alibi and nope swap by far more than their seeds spread; t5 and rope swap by a hair inside it
+    results = _budget_runs(600, {"alibi": [4.0, 4.1, 4.05], "nope": [6.0, 6.1, 6.05], "t5": [5.0, 5.6, 5.3],
+                                 "rope": [5.2, 5.4, 5.35]})  # fmt: skip
+    results += _budget_runs(2400, {"alibi": [4.0, 4.1, 4.05], "nope": [3.0, 3.1, 3.05], "t5": [4.6, 5.0, 4.8],
+                                   "rope": [4.5, 5.1, 4.7]})  # fmt: skip
+    line = next(line for line in budget_tables(results) if line.startswith("- 1×"))
+    assert "alibi and nope (firm at both budgets)" in line
+    assert "rope and t5 (firm at neither)" in line
+    low, high = (float(x) for x in line.split("interval over seeds ")[1].split(",")[0].split(" to "))
+    assert low < high  # the seeds' spread reaches τ

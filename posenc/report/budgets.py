@@ -9,14 +9,19 @@ holds has τ near 1; one that does not is a statement about the budget, not the 
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 from scipy import stats
 
 from posenc.report.perplexity import group_runs, protocol, value
+
+DRAWS = 2000  # bootstrap draws of each scheme's seeds
+FIRM = 0.975  # share of draws that must agree on a pair's order for it to count as firm
 
 
 def _budget(run: dict[str, Any]) -> int | None:
@@ -81,12 +86,60 @@ def budget_tables(results: list[dict[str, Any]]) -> list[str]:
             out.append(f"| {scheme} | {n} | " + " | ".join(cells) + " |")
         out.append("")
         for kind in dict.fromkeys(kind for kind, _ in figures):
-            first, last = ranks[(kind, budgets[0])], ranks[(kind, budgets[-1])]
-            shared = sorted(set(first) & set(last))
-            if len(shared) > 2:
-                tau = stats.kendalltau([first[s] for s in shared], [last[s] for s in shared]).statistic
-                out.append(
-                    f"- {kind}: Kendall's τ between {budgets[0]} and {budgets[-1]} steps = {tau:.2f} "
-                    f"({len(shared)} schemes)."
-                )
+            field = "ppl" if kind == "1×" else "ratio"
+            at = train_len if kind == "1×" else longest
+            per_run = {
+                scheme: {steps: _finite([value(run, at, field) for run in grid[scheme][steps]]) for steps in budgets}
+                for scheme in schemes
+            }
+            out += _agreement(kind, per_run, budgets[0], budgets[-1])
     return out
+
+
+def _finite(values: list[float | None]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def _agreement(kind: str, per_run: dict[str, dict[int, list[float]]], first: int, last: int) -> list[str]:
+    """Kendall's τ between two budgets' rankings, with how far the seeds let it move, and the pairs that swapped.
+
+    Why: a τ computed on means treats a swap of two schemes a hair apart like one of two schemes far apart. Drawing
+    each scheme's seeds again (with replacement, at each budget apart) and ranking every draw gives τ's interval over
+    seeds; a pair's order at a budget is firm when at least 97.5% of the draws agree on it. A swap firm at both
+    budgets is the budget changing the verdict; one that is not firm at either is noise.
+    """
+    shared = sorted(s for s in per_run if per_run[s][first] and per_run[s][last])
+    if len(shared) < 3:
+        return []
+    means = {steps: np.array([statistics.fmean(per_run[s][steps]) for s in shared]) for steps in (first, last)}
+    tau = stats.kendalltau(means[first], means[last]).statistic
+    if not math.isfinite(tau):  # one budget's figures all tie: no ranking to agree with
+        return [f"- {kind}: no Kendall's τ between {first} and {last} steps (every scheme ties at one of them)."]
+    rng = np.random.default_rng(0)  # fixed: the report reads the same every time it is written
+    draws = {
+        steps: np.stack(
+            [rng.choice(per_run[s][steps], size=(DRAWS, len(per_run[s][steps]))).mean(axis=1) for s in shared], axis=1
+        )
+        for steps in (first, last)
+    }  # {steps: (DRAWS, schemes)}
+    taus = np.array([stats.kendalltau(a, b).statistic for a, b in zip(draws[first], draws[last], strict=True)])
+    low, high = np.nanpercentile(taus, [2.5, 97.5])
+    line = (
+        f"- {kind}: Kendall's τ between {first} and {last} steps = {tau:.2f} ({len(shared)} schemes; 95% interval "
+        f"over seeds {low:.2f} to {high:.2f}, {DRAWS} draws of each scheme's seeds at each budget)."
+    )
+    swapped = []
+    for i, j in itertools.combinations(range(len(shared)), 2):
+        before, after = means[first][i] < means[first][j], means[last][i] < means[last][j]
+        if before == after:
+            continue
+        firm = [
+            steps
+            for steps in (first, last)
+            if max(share := float(np.mean(draws[steps][:, i] < draws[steps][:, j])), 1 - share) >= FIRM
+        ]
+        how = "firm at both budgets" if len(firm) == 2 else "firm at neither"
+        how = f"firm at {firm[0]} steps only" if len(firm) == 1 else how
+        swapped.append(f"{shared[i]} and {shared[j]} ({how})")
+    line += " Pairs whose order differs: " + ("; ".join(swapped) if swapped else "none") + "."
+    return [line]
