@@ -233,14 +233,7 @@ def table_head(
             *out,
         ]
     if any(unsettled.values()):
-        notes = "; ".join(f"{label}: {unsettled[label]}" for label in labels if unsettled[label])
-        out = [
-            f"{UNSETTLED} under-trained at this budget: its positional parameters were still moving at the end of "
-            f"training, or had barely moved from their initialisation (positional parameters, below), so its cells "
-            f"say what this budget gave it, not what the scheme learns — {notes}.",
-            "",
-            *out,
-        ]
+        out = [unsettled_line({label: unsettled[label] for label in labels if unsettled[label]}), "", *out]
     context = scored_on({label: by_label[label] for label in labels})
     return ([context, ""] if context else []) + out
 
@@ -260,17 +253,35 @@ def coverage_gaps(runs: Sequence[dict[str, Any]]) -> str:
     return "; ".join(sorted(notes))
 
 
-def unsettled_seeds(runs: Sequence[dict[str, Any]]) -> str:
-    """How many of a column's seeds ended with positional parameters still moving, or barely moved; "" when none.
+def drift_counts(runs: Sequence[dict[str, Any]]) -> tuple[int, int, int]:
+    """(seeds still moving, seeds barely moved, seeds with a drift record) of a column's runs.
 
-    Read from each run's own ``positional_drift`` record, whose rule is the one its run was measured by.
+    Read from each run's own ``positional_drift`` record, whose rule is the one its run was measured by; every table
+    and mark that says a column had not settled counts from here.
     """
-    records = [run.get("positional_drift") for run in runs]
-    moving = sum(1 for record in records if record and record.get("still_moving"))
-    barely = sum(1 for record in records if record and record.get("barely_moved"))
+    records = [record for run in runs if (record := run.get("positional_drift")) is not None]
+    moving = sum(1 for record in records if record.get("still_moving"))
+    barely = sum(1 for record in records if record.get("barely_moved"))
+    return moving, barely, len(records)
+
+
+def unsettled_seeds(runs: Sequence[dict[str, Any]]) -> str:
+    """How many of a column's seeds ended with positional parameters still moving, or barely moved; "" when none."""
+    moving, barely, _ = drift_counts(runs)
     parts = [f"still moving in {moving} of {len(runs)} seeds"] if moving else []
     parts += [f"barely moved in {barely} of {len(runs)}"] if barely else []
     return ", ".join(parts)
+
+
+def unsettled_line(notes: dict[str, str]) -> str:
+    """The one sentence, under a table or over the comparisons, naming the under-trained columns ({column: seeds})."""
+    return (
+        f"{UNSETTLED} under-trained at this budget: its positional parameters were still moving at the end of "
+        "training, or had barely moved from their initialisation (positional parameters, below), so its cells and "
+        "any difference from it say what this budget gave the scheme, not what the scheme learns — "
+        + "; ".join(f"{label}: {note}" for label, note in notes.items())
+        + "."
+    )
 
 
 def tuned_settings(by_label: Columns) -> str:

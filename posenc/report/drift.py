@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate.drift import BARELY_MOVED, STILL_MOVING
-from posenc.report.common import Appendix, Columns, interval_cells, order, run_dir, table_head
+from posenc.report.common import Appendix, Columns, drift_counts, interval_cells, order, run_dir, table_head
 from posenc.training.identity import columns
 
 FIXED = "fixed"  # a column whose scheme has no trainable positional parameter
@@ -59,14 +59,10 @@ def drift_groups(results: list[dict[str, Any]], field: str) -> dict[int, Columns
 
 def column_mark(runs: list[dict[str, Any]]) -> str:
     """``still moving``, ``barely moved`` (both when both), ``settled`` or ``fixed`` for a column's runs."""
-    records = [run.get("positional_drift") for run in runs]
-    if all(record is None for record in records):
+    moving, barely, recorded = drift_counts(runs)
+    if not recorded:
         return FIXED
-    marks = []  # each record's own marks: the rule it was measured by is the one its run recorded
-    if any(r is not None and r.get("still_moving") for r in records):
-        marks.append(STILL)
-    if any(r is not None and r.get("barely_moved") for r in records):
-        marks.append(BARELY)
+    marks = [STILL] * bool(moving) + [BARELY] * bool(barely)
     return ", ".join(f"**{m}**" for m in marks) or SETTLED
 
 

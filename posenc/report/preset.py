@@ -24,7 +24,7 @@ import numpy as np
 from posenc.evaluate.bootstrap import BootstrapResult, crossed_difference, crossed_log_ratio
 from posenc.evaluate.effective import learned
 from posenc.evaluate.stats import ALPHA, holm, paired_comparison
-from posenc.report.common import UNSETTLED, Columns, order, unsettled_seeds
+from posenc.report.common import UNSETTLED, Columns, order, unsettled_line, unsettled_seeds
 from posenc.report.perplexity import group_runs, protocol, value
 from posenc.report.retrieval import selected
 from posenc.report.tasks import task_columns
@@ -144,13 +144,7 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
             "Left out: " + "; ".join(unlearned) + ".",
         ]
     if unsettled:
-        out += [
-            "",
-            f"{UNSETTLED} under-trained at this budget (positional parameters still moving or barely moved): a "
-            "difference from such a column says what this budget gave the scheme, not what the scheme learns — "
-            + "; ".join(f"{label}: {note}" for label, note in unsettled.items())
-            + ".",
-        ]
+        out += ["", unsettled_line(unsettled)]
     for title, (train_len, kind) in tables.items():
         mine = [(index, test) for index, test in enumerate(tests) if test[0] == title]
         for reference in dict.fromkeys(test[2] for _, test in mine):
