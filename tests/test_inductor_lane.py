@@ -19,7 +19,7 @@ from posenc.attention.flex_learnable import supports
 from posenc.attention.tables import reads_table
 from posenc.lane import PINNED, table, version_mismatch
 from posenc.lane.__main__ import failures
-from posenc.lane.flex import DTYPES, HEAD_DIMS, cases, schemes
+from posenc.lane.cases import DTYPES, HEAD_DIMS, cases, schemes
 from posenc.lane.gpus import GPUS
 
 MISMATCH = version_mismatch()

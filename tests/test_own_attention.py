@@ -16,7 +16,7 @@ import posenc.attention.triton_table as triton_table
 from posenc.attention import available_backends, decoding_backend, get_backend
 from posenc.attention.auto import choose
 from posenc.encodings.stick_breaking import stick_breaking_attention
-from posenc.lane.flex import cases, not_on_flex, skipped
+from posenc.lane.cases import cases, not_on_flex, skipped
 
 ROTARY = next(name for name in SCHEMES if make(name).rotates and not make(name).adds_bias)
 CASES = [*SUPPLIED_SCHEMES, *(f"{ROTARY}+{name}" for name in SUPPLIED_SCHEMES)]

@@ -7,7 +7,8 @@
     python -m posenc.lane --json                   # one JSON row per stage (what the tests read)
     python -m posenc.lane --torch-defaults --gpu h100 --scheme t5   # what torch's own tile choices would do
 
-The cases are FlexAttention's (``posenc.lane.flex``) and ``attention=triton``'s table kernels (``posenc.lane.table``).
+The cases (``posenc.lane.cases``) are FlexAttention's (compiled by ``posenc.lane.flex``) and ``attention=triton``'s
+table kernels (``posenc.lane.table``).
 Each GPU's cases run in processes of their own (the fake device is process-wide), ``--jobs`` at once. Exit status 1
 when a stage that must compile did not, or compiled over its device's shared memory, or a table kernel spills
 registers; 0 otherwise. Needs the pinned
@@ -41,7 +42,8 @@ def run_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     gpu = args.worker
     fake.install(GPUS[gpu])
-    from posenc.lane.flex import cases, run_case
+    from posenc.lane.cases import cases
+    from posenc.lane.flex import run_case
 
     if args.torch_defaults:  # every backend asks posenc.attention.flex for its options: answer with torch's own
         import posenc.attention.flex as flex
@@ -146,7 +148,7 @@ def markdown(rows: list[dict[str, Any]], table_rows: list[dict[str, Any]] | None
             f"{worst['registers'] if worst['registers'] is not None else '?'} | "
             f"{worst['spills'] if worst['spills'] is not None else '?'} |"
         )
-    from posenc.lane.flex import skipped
+    from posenc.lane.cases import skipped
 
     lines += ["", "Compiled for no GPU, as their declarations say no CUDA path takes FlexAttention:", ""]
     lines += [f"- {name}: {reason}" for name, reason in skipped().items()]
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.scheme:
         from posenc.encodings import build
-        from posenc.lane.flex import HEADS, not_on_flex
+        from posenc.lane.cases import HEADS, not_on_flex
 
         for name in args.scheme:
             reason = not_on_flex(build(name, num_heads=HEADS, head_dim=64))
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rows += got
     from posenc.lane import table
-    from posenc.lane.flex import schemes
+    from posenc.lane.cases import schemes
 
     names = schemes()
     table_rows = [row for row in rows if row.get("kind") == "table"]
