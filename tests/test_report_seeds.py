@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from posenc.report import build_report, find_results
-from posenc.report.cost import cost_points, log_cost_scatter
+from posenc.report.cost import cost_points, log_cost_scatter, throughput
 from posenc.report.paired import paired_section
 from posenc.report.perplexity import group_runs
 
@@ -147,6 +147,18 @@ def test_without_nope_throughput_is_relative_to_the_fastest_and_says_so(tmp_path
     points, against = cost_points(by_label)
     assert "fastest column (alibi" in against and "no NoPE" in against
     assert [p["throughput"] for p in points] == pytest.approx([1.0, 800 / 900])
+
+
+def test_a_resumed_run_recorded_before_it_carried_its_earlier_seconds_gives_no_throughput(tmp_path: Path) -> None:
+    # An older run.json of a run resumed at its last step: 600 steps' tokens over the 2.4 s of the process that only
+    # evaluated. Read as a throughput it would be 200x the others'; it is no throughput at all.
+    root = _sweep(tmp_path / "runs")
+    stale = {"steps": 600, "tokens": 1_228_800, "train_seconds": 2.44, "resumed_from": {"step": 600}}
+    (root / "alibi_0" / "run.json").write_text(json.dumps(stale))
+    carried = stale | {"train_seconds": 200.0, "segment": {"from_step": 600, "steps": 0}}  # today's record
+    (root / "alibi_1" / "run.json").write_text(json.dumps(carried))
+    speeds = {run["seed"]: throughput(run) for run in find_results([root]) if run["label"] == "alibi"}
+    assert speeds[0] is None and speeds[1] == pytest.approx(1_228_800 / 200.0) and speeds[2] == pytest.approx(900.0)
 
 
 def test_paired_comparison_matches_seeds_on_log_perplexity(tmp_path: Path) -> None:

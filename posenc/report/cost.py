@@ -56,6 +56,8 @@ def throughput(run: dict[str, Any]) -> float | None:
         return None
     if record.get("tokens_per_sec"):
         return float(record["tokens_per_sec"])
+    if record.get("resumed_from") and "segment" not in record:
+        return None  # written before resumed runs carried their earlier seconds: its seconds are the last process's
     tokens, seconds = record.get("tokens"), record.get("train_seconds")
     return float(tokens) / float(seconds) if tokens and seconds else None
 
