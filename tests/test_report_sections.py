@@ -68,15 +68,18 @@ def test_protocols_side_by_side_and_the_datas_share_of_each_difference(tmp_path:
     assert t5.startswith("+5.0%") and low < 2.0 < 5.0 < high  # all of it from one document: the data may undo it
 
 
-def _mqar_run(root: Path, label: str, lr: float, seed: int, accuracy: float, final_validation: float) -> None:
-    folder = root / f"{label}-lr{lr}-s{seed}"
+def _mqar_run(
+    root: Path, label: str, lr: float, seed: int, accuracy: float, final_validation: float, multiplier: float = 1.0
+) -> None:
+    folder = root / f"{label}-lr{lr}-x{multiplier:g}-s{seed}"
     rows = [
         {"task": "mqar", "length": n, "samples": 64, "answers": 256, "correct": round(a * 256), "accuracy": a,
          "low": max(0.0, a - 0.05), "high": min(1.0, a + 0.05), "chance_exact": 1 / 128, "keyless_exact": 0.25,
          "keyless_exact_elimination": 25 / 48}
         for n, a in ((64, accuracy), (128, accuracy / 2))
     ]  # fmt: skip
-    config = {"optim": {"lr": lr}, "data": {"task": "mqar"}, "encoding": {"name": label}}
+    optim = {"lr": lr, "scheme_lr_multiplier": multiplier}
+    config = {"optim": optim, "data": {"task": "mqar"}, "encoding": {"name": label}}
     result = {"label": label, "train_len": 64, "seed": seed, "mqar": rows, "data": {"task": "mqar"}, "config": config}
     (folder / "eval").mkdir(parents=True)
     (folder / "eval" / "results.json").write_text(json.dumps(result))
@@ -106,6 +109,24 @@ def test_a_learning_rate_sweep_is_selected_on_validation_and_counted_in_seeds(tm
     )
     assert "(chance: 0.0078, a uniform guess; 0.25 without matching keys (0.52 with elimination))" in tables
     assert "Accuracy by query–key distance" not in tables  # the rows recorded no breakdown: none is made up
+
+
+def test_a_scheme_with_parameters_is_selected_over_its_rates_and_multipliers_together(tmp_path: Path) -> None:
+    # t5's best validation is at x10 and the smaller rate; x100 ties it at the larger rate; the tie goes to x10
+    grid = {(0.001, 1.0): 0.40, (0.003, 1.0): 0.60, (0.001, 10.0): 0.95, (0.003, 10.0): 0.70, (0.003, 100.0): 0.95}
+    for seed in range(2):
+        for (lr, multiplier), final in grid.items():
+            _mqar_run(tmp_path, "t5", lr, seed, final, final, multiplier)
+        _mqar_run(tmp_path, "alibi", 0.003, seed, 0.9, 0.9)
+    markdown = build_report(find_results([tmp_path]), tmp_path / "out", make_plots=False)
+    sweep = markdown.split("Learning-rate sweep")[1].split("Exact match by window length")[0]
+    assert "| column | lr | ×scheme | learned |" in sweep
+    rows = [line for line in sweep.splitlines() if line.startswith("| t5")]
+    assert len(rows) == 5  # one per setting, in (multiplier, rate) order
+    assert [row.split("|")[2:4] for row in rows] == [
+        [" 0.001 ", " 1 "], [" 0.003 ", " 1 "], [" 0.001 ", " 10 "], [" 0.003 ", " 10 "], [" 0.003 ", " 100 "]
+    ]  # fmt: skip
+    assert [row.endswith("| ✓ |") for row in rows] == [False, False, True, False, False]
 
 
 @pytest.mark.parametrize("flag", ["--acc-threshold=1.5", "--ppl-ratio=0.9"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import stat
@@ -337,6 +338,15 @@ def test_the_scheme_lr_sweep_gives_each_multiplier_its_own_run(tmp_path: Path) -
     names = {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
     multipliers = (1, 3, 10, 30, 100)
     assert names == {f"{s}-L64-s0-m{m}" for s in ("t5", "kerple_log", "fire") for m in multipliers}
+
+
+def test_recall_under_the_tuning_adds_each_multiplier_of_the_schemes_with_parameters(tmp_path: Path) -> None:
+    command = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", "retrieval_offset_tuned"]
+    result = launch(tmp_path, command=command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
+    grid = itertools.product(("t5", "kerple_log", "fire"), ("0.001", "0.003", "0.01"), ("10", "100"), range(5))
+    assert names == {f"{scheme}-mqar-lr{lr}-x{m}-L64-s{seed}" for scheme, lr, m, seed in grid}
 
 
 def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_random_block() -> None:

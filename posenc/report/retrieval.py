@@ -2,12 +2,14 @@
 
 For each retrieval task and training length:
 
-- **Learning-rate sweep.** Where a scheme's columns differ only in ``optim.lr``, one row per rate: the seeds that
-  learned (k of n: the in-length accuracy's Wilson interval above every floor), each seed's in-length accuracy,
+- **Learning-rate sweep.** Where a scheme's columns differ only in ``optim.lr`` (and, for a scheme with positional
+  parameters, ``optim.scheme_lr_multiplier``: the grid the comparison's tuning uses), one row per setting: the seeds
+  that learned (k of n: the in-length accuracy's Wilson interval above every floor), each seed's in-length accuracy,
   the final validation accuracy and how far it still moved over the last quarter of training (from each run's
   validation curve, ``run.json``). Each scheme's rate is **selected on validation** (held-out windows of the
-  training format, another seed stream than the evaluation's): the highest mean final validation accuracy. The
-  tables below show the selected column of every scheme, as Zoology reports the best of a sweep.
+  training format, another seed stream than the evaluation's): the highest mean final validation accuracy, a tie
+  going to the smaller multiplier, then the smaller rate. The tables below show the selected column of every scheme,
+  as Zoology reports the best of a sweep.
 - **Accuracy by length** (``tasks.accuracy_cell``), then the seeds that learned and each seed's accuracies, since a
   retrieval that some seeds learn and others do not is not a bell curve.
 - **MQAR**: accuracy by query–key distance at each length (the windows, hence the answers per bin, are the same for
@@ -30,6 +32,8 @@ from posenc.runs import RUN_FILE
 from posenc.training.identity import identity
 
 LR = "optim.lr"
+MULTIPLIER = "optim.scheme_lr_multiplier"
+RATES = {LR, MULTIPLIER}  # what a sweep may vary for its selection to be a tuning, not a comparison
 LAST_PART = 0.25  # how much of training the "still moving" figure looks back over
 
 
@@ -53,8 +57,14 @@ def still_moving(curve: list[dict[str, Any]]) -> float | None:
     return max(abs(point["accuracy"] - tail[0]["accuracy"]) for point in tail)
 
 
+def rates(run: dict[str, Any]) -> tuple[float, float]:
+    """(multiplier, learning rate) of a run: the order a sweep's rows take, and ties are broken in."""
+    settings = identity(run)
+    return float(settings.get(MULTIPLIER, 1.0) or 1.0), float(settings[LR])
+
+
 def lr_sweeps(by_label: Columns) -> dict[str, list[str]]:
-    """{scheme: its columns} for every scheme whose columns differ in the learning rate and nothing else."""
+    """{scheme: its columns} for every scheme whose columns differ in the learning rates and nothing else."""
     schemes: dict[str, list[str]] = {}
     for label in by_label:
         schemes.setdefault(label.split(" · ")[0], []).append(label)
@@ -65,8 +75,8 @@ def lr_sweeps(by_label: Columns) -> dict[str, list[str]]:
         settings = [identity(by_label[label][0]) for label in labels]
         keys = {key for one in settings for key in one}
         differing = {key for key in keys if len({repr(one.get(key)) for one in settings}) > 1}
-        if differing == {LR}:
-            sweeps[scheme] = sorted(labels, key=lambda label: identity(by_label[label][0])[LR])
+        if LR in settings[0] and differing and differing <= RATES:
+            sweeps[scheme] = sorted(labels, key=lambda label: rates(by_label[label][0]))
     return sweeps
 
 
@@ -82,7 +92,8 @@ def selected(by_label: Columns) -> tuple[Columns, dict[str, str]]:
     for scheme, labels in lr_sweeps(by_label).items():
         scores = {label: final_validation(by_label[label]) for label in labels}
         if all(score is not None for score in scores.values()):  # else no selection: every rate stays tabled
-            chosen[scheme] = max(labels, key=lambda label: scores[label])
+            best = max(scores.values())  # labels are in (multiplier, rate) order: the first best is the smaller
+            chosen[scheme] = next(label for label in labels if scores[label] == best)
             dropped |= set(labels) - {chosen[scheme]}
     return {label: runs for label, runs in by_label.items() if label not in dropped}, chosen
 
@@ -112,8 +123,9 @@ def sweep_table(task: str, train_len: int, by_label: Columns, chosen: dict[str, 
         "Selecting the best of a sweep favours the selected columns a little, as in Zoology's reports; the selection "
         "never sees the evaluation windows.",
         "",
-        "| column | lr | learned | in-length accuracy, each seed | final validation accuracy | still moving | |",
-        "|---|---:|---:|---|---:|---:|---|",
+        "| column | lr | ×scheme | learned | in-length accuracy, each seed | final validation accuracy | still moving "
+        "| |",
+        "|---|---:|---:|---:|---|---:|---:|---|",
     ]
     for scheme in order(sweeps):
         for label in sweeps[scheme]:
@@ -127,7 +139,8 @@ def sweep_table(task: str, train_len: int, by_label: Columns, chosen: dict[str, 
             moves = [m for m in (still_moving(validation_curve(run)) for run in runs) if m is not None]
             moving = f"{statistics.fmean(moves):.3f} [{max(moves):.3f}]" if moves else "—"
             out.append(
-                f"| {label} | {identity(runs[0])[LR]:g} | {learned_cell(runs, task, train_len)} | {seeds} | "
+                f"| {label} | {rates(runs[0])[1]:g} | {rates(runs[0])[0]:g} | {learned_cell(runs, task, train_len)} | "
+                f"{seeds} | "
                 f"{final_text} | {moving} | {mark} |"
             )
     unselected = [scheme for scheme in order(sweeps) if scheme not in chosen]

@@ -115,6 +115,12 @@ STUDIES = {
         "#   python -m posenc.train -m -cd sweeps -cn retrieval_offset optim.lr=3e-3",
         "outputs/sweeps/mqar_offset",
     ),
+    "recall-offset-tuned": Study(
+        "Associative recall at a random offset under the comparison's tuning (rates and scheme multipliers)",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset  # x1: 6 schemes x 3 rates x 5 seeds\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tuned  # x10, x100: T5, KERPLE-log, FIRE",
+        "outputs/sweeps/mqar_offset outputs/sweeps/mqar_offset_tuned",
+    ),
     "ruler-tasks": Study(
         "Two RULER tasks, multikey and variable tracking (one seed)",
         "python -m posenc.train -m +encoding=rope data=multikey,vartrack trainer.max_steps=2000 model.init=pytorch "
