@@ -94,15 +94,35 @@ def test_every_results_document_is_written_by_the_report(
     after = text.split(END, 1)[1]
     assert not any(line.startswith("|") for line in after.splitlines()), "a table typed by hand after the block"
     name = document.stem
-    records = document.with_suffix("") / "runs"
-    assert records.is_dir(), f"{document.name}: its runs' records are not kept in {records}"
-    # Written again from its records, in a copy of the repository's layout, the block comes out the same.
+    # The records its last regenerating command reads: its own beside it, or other studies' kept records.
+    command = [line for line in header.splitlines() if line.startswith("python -m posenc.report ")][-1].split()
+    sources = command[3 : command.index("--study")]
+    for source in sources:
+        assert (ROOT / source).is_dir() and source.endswith("/runs"), f"{document.name}: {source} is not kept"
+    # Written again from those records, in a copy of the repository's layout, the block comes out the same.
     monkeypatch.chdir(tmp_path)
-    copy = Path("docs/results") / name / "runs"
-    shutil.copytree(records, copy)
+    for source in sources:
+        shutil.copytree(ROOT / source, source)
+        shutil.copyfile(ROOT / Path(source).parent.with_suffix(".md"), Path(source).parent.with_suffix(".md"))
     shutil.copyfile(document, Path("docs/results") / document.name)
-    again = write_study(name, [copy.as_posix()], Path("docs/results") / document.name)
+    again = write_study(name, sources, Path("docs/results") / document.name)
     assert generated_block(again) == generated_block(text)
+
+
+def test_a_study_of_other_studies_reads_their_kept_records_and_keeps_none_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for study in ("comparison", "comparison-2400"):
+        sweep = _sweep(Path("outputs") / study)
+        write_study(study, [str(sweep)], Path(f"docs/results/{study}.md"), make_plots=False)
+    shutil.rmtree("outputs")
+    sources = ["docs/results/comparison/runs", "docs/results/comparison-2400/runs"]
+    out = Path("docs/results/comparison-budgets.md")
+    first = write_study("comparison-budgets", sources, out, make_plots=False)
+    assert not Path("docs/results/comparison-budgets/runs").exists()  # nothing copied
+    assert f"python -m posenc.report {' '.join(sources)} --study comparison-budgets --out {out}" in first
+    assert "keeps no records of its own" in first
 
 
 def test_runs_of_one_name_from_two_sweeps_keep_records_of_their_own(tmp_path: Path) -> None:

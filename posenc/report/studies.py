@@ -86,8 +86,9 @@ STUDIES = {
     "comparison-budgets": Study(
         "Does the fair comparison's ranking hold at four times the tokens?",
         "python -m posenc.train -m -cd sweeps -cn comparison  # 600 steps, then 2,400:\n"
-        "python -m posenc.train -m -cd sweeps -cn comparison trainer.max_steps=2400 sweep_name=comparison_2400",
-        "outputs/sweeps/comparison outputs/sweeps/comparison_2400",
+        "python -m posenc.train -m -cd sweeps -cn comparison trainer.max_steps=2400 sweep_name=comparison_2400\n"
+        "# then the comparison and comparison-2400 studies, whose kept records this one reads",
+        "docs/results/comparison/runs docs/results/comparison-2400/runs",
         budgets=True,
     ),
     "frontier": Study(

@@ -108,8 +108,22 @@ def _older_curve(run: dict[str, Any]) -> tuple[str, ...]:
     return (CSV_LOG,) if drift and not drift.get("curve") else ()
 
 
-def header(name: str, study: Study, results: list[dict[str, Any]], out: Path) -> list[str]:
-    """The document's opening: the commands that regenerate it, and what its runs record of themselves."""
+def kept_elsewhere(path: Path) -> bool:
+    """Whether ``path`` is another study's kept records (``docs/results/<study>/runs`` beside ``<study>.md``).
+
+    A study that compares other studies (two budgets of one comparison) reads their records where they are kept:
+    copying them beside it would double the results folder for nothing a regeneration needs.
+    """
+    return path.name == "runs" and path.parent.with_suffix(".md").is_file()
+
+
+def header(
+    name: str, study: Study, results: list[dict[str, Any]], out: Path, read_from: Sequence[str] | None = None
+) -> list[str]:
+    """The document's opening: the commands that regenerate it, and what its runs record of themselves.
+
+    ``read_from``: the other studies' kept records it was written from, when it keeps none of its own.
+    """
     runs = [run for run in results if not run.get("failed")]
     seeds: dict[str, set] = {}
     for run in runs:
@@ -126,16 +140,29 @@ def header(name: str, study: Study, results: list[dict[str, Any]], out: Path) ->
     compute = sum(r.get("train_seconds") or 0.0 for r in records)
     wall = _wall_seconds(records)
     records_dir = out.with_suffix("") / "runs"
+    if read_from:
+        regenerate = [
+            "Regenerate: the runs, then the studies they belong to, then this document from those studies' records "
+            "(the last command alone rewrites its tables; it keeps no records of its own):",
+            "",
+            "```bash",
+            study.runs_command,
+            f"python -m posenc.report {' '.join(read_from)} --study {name} --out {out.as_posix()}",
+        ]
+    else:
+        regenerate = [
+            "Regenerate: the runs, then this document from them (the second command alone rewrites the tables from the",
+            f"records kept in `{records_dir.name}/` beside it):",
+            "",
+            "```bash",
+            study.runs_command,
+            f"python -m posenc.report {study.inputs} --study {name} --out {out.as_posix()}",
+            f"python -m posenc.report {records_dir.as_posix()} --study {name} --out {out.as_posix()}",
+        ]
     return [
         f"# {study.title}",
         "",
-        "Regenerate: the runs, then this document from them (the second command alone rewrites the tables from the",
-        f"records kept in `{records_dir.name}/` beside it):",
-        "",
-        "```bash",
-        study.runs_command,
-        f"python -m posenc.report {study.inputs} --study {name} --out {out.as_posix()}",
-        f"python -m posenc.report {records_dir.as_posix()} --study {name} --out {out.as_posix()}",
+        *regenerate,
         "```",
         "",
         "| runs (results) | seeds per column | machine | torch | training wall time (runs end to end) | finished |",
@@ -196,7 +223,10 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
     if not results:
         raise SystemExit(f"no results.json under {', '.join(paths)}: nothing to write {out} from")
     bench = find_bench(paths)
-    if not all(Path(p).resolve() == records.resolve() for p in paths):
+    read_from = [Path(p).as_posix() for p in paths] if all(kept_elsewhere(Path(p)) for p in paths) else None
+    if read_from and records.resolve() in {Path(p).resolve() for p in paths}:
+        read_from = None  # its own records: rewritten from them as any study is
+    if read_from is None and not all(Path(p).resolve() == records.resolve() for p in paths):
         keep_records(results, records, bench)
         results, bench = find_results([records]), find_bench([records])
     study = STUDIES[name]
@@ -216,7 +246,8 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
     if out.exists():
         text = out.read_text()
         kept = text.split(END, 1)[1].lstrip("\n") if END in text else ""
-    document = "\n".join([*header(name, STUDIES[name], results, out), BEGIN, *generated(markdown, name), END, ""])
+    opening = header(name, STUDIES[name], results, out, read_from)
+    document = "\n".join([*opening, BEGIN, *generated(markdown, name), END, ""])
     document += ("\n" + kept) if kept else ""
     write_text(out, document)
     return document
