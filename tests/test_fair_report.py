@@ -105,9 +105,12 @@ def test_a_ranking_at_two_budgets_is_set_side_by_side_with_kendalls_tau(tmp_path
     assert "## Rankings by budget, trained at L=32 — nonoverlapping windows" in text
     row = next(line for line in text.splitlines() if line.startswith("| rope |"))
     assert row.startswith("| rope | 2/2 | 4.500 (2) | 3.000 (1) |")
-    assert "1×: Kendall's τ between 600 and 2400 steps = 0.67 (4 schemes; 95% interval over seeds 0.67 to 0.67" in text
-    # identical seeds leave nothing to draw: the one swap (rope and t5) is firm at both budgets
-    assert "Pairs whose order differs: rope and t5 (firm at both budgets)." in text
+    assert (
+        "1×: Kendall's τ between 600 and 2400 steps = 0.67 (4 schemes; no interval: a scheme has 2 seeds at a budget, "
+        "fewer than 3)." in text
+    )
+    # the same difference in both seeds: the one swap (rope and t5) is separated at both budgets
+    assert "Pairs whose order differs: rope and t5 (separated at both budgets)." in text
 
 
 def _budget_runs(steps: int, seeds: dict[str, list[float]]) -> list[dict]:
@@ -131,7 +134,18 @@ def test_a_swap_within_the_seeds_spread_is_told_from_one_the_budget_made() -> No
     results += _budget_runs(2400, {"alibi": [4.0, 4.1, 4.05], "nope": [3.0, 3.1, 3.05], "t5": [4.6, 5.0, 4.8],
                                    "rope": [4.5, 5.1, 4.7]})  # fmt: skip
     line = next(line for line in budget_tables(results) if line.startswith("- 1×"))
-    assert "alibi and nope (firm at both budgets)" in line
-    assert "rope and t5 (firm at neither)" in line
+    assert "alibi and nope (separated at both budgets)" in line
+    assert "rope and t5 (separated at neither budget)" in line
     low, high = (float(x) for x in line.split("interval over seeds ")[1].split(",")[0].split(" to "))
     assert low < high  # the seeds' spread reaches τ
+
+
+def test_a_swap_with_one_seed_at_a_budget_is_not_called_separated() -> None:
+    from posenc.report.budgets import budget_tables
+
+    # one seed at 2,400 steps: no spread to test a difference against, however large it looks
+    results = _budget_runs(600, {"alibi": [4.0, 4.1], "nope": [6.0, 6.1], "rope": [5.0, 5.2]})
+    results += _budget_runs(2400, {"alibi": [4.0], "nope": [3.0], "rope": [3.5]})
+    line = next(line for line in budget_tables(results) if line.startswith("- 1×"))
+    assert "no interval: a scheme has 1 seed at a budget" in line
+    assert "alibi and nope (too few shared seeds to test at 2400 steps)" in line

@@ -120,7 +120,7 @@ def test_a_study_of_other_studies_reads_their_kept_records_and_keeps_none_of_its
     sources = ["docs/results/comparison/runs", "docs/results/comparison-2400/runs"]
     out = Path("docs/results/comparison-budgets.md")
     first = write_study("comparison-budgets", sources, out, make_plots=False)
-    assert not Path("docs/results/comparison-budgets/runs").exists()  # nothing copied
+    assert not Path("docs/results/comparison-budgets").exists()  # nothing copied, no empty folder left
     assert f"python -m posenc.report {' '.join(sources)} --study comparison-budgets --out {out}" in first
     assert "keeps no records of its own" in first
 

@@ -83,7 +83,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.out is None or args.out.suffix != ".md" or args.wandb:
             raise SystemExit("--study writes a document from run directories: give --out docs/results/<name>.md")
         write_study(args.study, args.paths, args.out, make_plots=not args.no_plots)
-        print(f"wrote {args.out} and its records in {args.out.with_suffix('')}")
+        records = args.out.with_suffix("") / "runs"
+        kept = f" and its records in {records}" if records.is_dir() else " from the studies' records it names"
+        print(f"wrote {args.out}{kept}")
         return
     first = Path(args.paths[0]) if args.paths else None
     out_dir = args.out or (first if first is not None and first.is_dir() else Path("report"))

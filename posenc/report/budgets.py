@@ -21,7 +21,8 @@ from scipy import stats
 from posenc.report.perplexity import group_runs, protocol, value
 
 DRAWS = 2000  # bootstrap draws of each scheme's seeds
-FIRM = 0.975  # share of draws that must agree on a pair's order for it to count as firm
+ALPHA = 0.05  # a swapped pair's order is separated at a budget below this p (unadjusted: the list is descriptive)
+MIN_SEEDS = 2  # shared seeds a paired test needs
 
 
 def _budget(run: dict[str, Any]) -> int | None:
@@ -88,58 +89,85 @@ def budget_tables(results: list[dict[str, Any]]) -> list[str]:
         for kind in dict.fromkeys(kind for kind, _ in figures):
             field = "ppl" if kind == "1×" else "ratio"
             at = train_len if kind == "1×" else longest
-            per_run = {
-                scheme: {steps: _finite([value(run, at, field) for run in grid[scheme][steps]]) for steps in budgets}
-                for scheme in schemes
+            per_seed = {
+                scheme: {steps: _by_seed(grid[scheme][steps], at, field) for steps in budgets} for scheme in schemes
             }
-            out += _agreement(kind, per_run, budgets[0], budgets[-1])
+            out += _agreement(kind, per_seed, budgets[0], budgets[-1])
     return out
 
 
-def _finite(values: list[float | None]) -> list[float]:
-    return [v for v in values if v is not None and math.isfinite(v)]
+def _by_seed(runs: list[dict[str, Any]], length: int, field: str) -> dict[Any, float]:
+    """{seed: the run's positive, finite ``field`` at ``length``}."""
+    found = {run.get("seed"): value(run, length, field) for run in runs}
+    return {seed: v for seed, v in found.items() if v is not None and math.isfinite(v) and v > 0}
 
 
-def _agreement(kind: str, per_run: dict[str, dict[int, list[float]]], first: int, last: int) -> list[str]:
-    """Kendall's τ between two budgets' rankings, with how far the seeds let it move, and the pairs that swapped.
+def _separated(a: dict[Any, float], b: dict[Any, float]) -> bool | None:
+    """Whether two schemes' figures differ by the paired t-test on logs over shared seeds (p < 0.05, unadjusted).
 
-    Why: a τ computed on means treats a swap of two schemes a hair apart like one of two schemes far apart. Drawing
-    each scheme's seeds again (with replacement, at each budget apart) and ranking every draw gives τ's interval over
-    seeds; a pair's order at a budget is firm when at least 97.5% of the draws agree on it. A swap firm at both
-    budgets is the budget changing the verdict; one that is not firm at either is noise.
+    ``None`` with fewer than ``MIN_SEEDS`` shared seeds: too few to say either way.
     """
-    shared = sorted(s for s in per_run if per_run[s][first] and per_run[s][last])
+    shared = sorted(set(a) & set(b), key=str)
+    if len(shared) < MIN_SEEDS:
+        return None
+    diffs = [math.log(a[s]) - math.log(b[s]) for s in shared]
+    if max(diffs) == min(diffs):  # no spread: separated exactly when they differ
+        return diffs[0] != 0
+    return bool(stats.ttest_1samp(diffs, 0.0).pvalue < ALPHA)
+
+
+def _agreement(kind: str, per_seed: dict[str, dict[int, dict[Any, float]]], first: int, last: int) -> list[str]:
+    """Kendall's τ between two budgets' rankings, how far the seeds let it move, and the pairs that swapped.
+
+    Why: a τ computed on means treats a swap of two schemes a hair apart like one of two schemes far apart. Each
+    pair whose order differs is tested at each budget as the report's other comparisons are (the paired t-test on
+    log-figures over the seeds both share, p < 0.05, here unadjusted and descriptive): a swap separated at both
+    budgets is the budget changing the verdict; one separated at neither may be the seeds' spread. τ's interval comes
+    from drawing each scheme's seeds again at each budget (2,000 draws), only where every scheme has at least 3
+    seeds at both: fewer make a bootstrap's spread meaningless.
+    """
+    shared = sorted(s for s in per_seed if per_seed[s][first] and per_seed[s][last])
     if len(shared) < 3:
         return []
-    means = {steps: np.array([statistics.fmean(per_run[s][steps]) for s in shared]) for steps in (first, last)}
+    means = {
+        steps: np.array([statistics.fmean(per_seed[s][steps].values()) for s in shared]) for steps in (first, last)
+    }
     tau = stats.kendalltau(means[first], means[last]).statistic
     if not math.isfinite(tau):  # one budget's figures all tie: no ranking to agree with
         return [f"- {kind}: no Kendall's τ between {first} and {last} steps (every scheme ties at one of them)."]
-    rng = np.random.default_rng(0)  # fixed: the report reads the same every time it is written
-    draws = {
-        steps: np.stack(
-            [rng.choice(per_run[s][steps], size=(DRAWS, len(per_run[s][steps]))).mean(axis=1) for s in shared], axis=1
-        )
-        for steps in (first, last)
-    }  # {steps: (DRAWS, schemes)}
-    taus = np.array([stats.kendalltau(a, b).statistic for a, b in zip(draws[first], draws[last], strict=True)])
-    low, high = np.nanpercentile(taus, [2.5, 97.5])
-    line = (
-        f"- {kind}: Kendall's τ between {first} and {last} steps = {tau:.2f} ({len(shared)} schemes; 95% interval "
-        f"over seeds {low:.2f} to {high:.2f}, {DRAWS} draws of each scheme's seeds at each budget)."
-    )
+    fewest = min(len(per_seed[s][steps]) for s in shared for steps in (first, last))
+    if fewest >= 3:
+        rng = np.random.default_rng(0)  # fixed: the report reads the same every time it is written
+        draws = {
+            steps: np.stack(
+                [
+                    rng.choice(list(per_seed[s][steps].values()), size=(DRAWS, len(per_seed[s][steps]))).mean(axis=1)
+                    for s in shared
+                ],
+                axis=1,
+            )
+            for steps in (first, last)
+        }  # {steps: (DRAWS, schemes)}
+        taus = [stats.kendalltau(a, b).statistic for a, b in zip(draws[first], draws[last], strict=True)]
+        low, high = np.nanpercentile(taus, [2.5, 97.5])
+        spread = f"95% interval over seeds {low:.2f} to {high:.2f}, {DRAWS} draws of each scheme's seeds at each budget"
+    else:
+        spread = f"no interval: a scheme has {fewest} seed{'s' if fewest != 1 else ''} at a budget, fewer than 3"
+    line = f"- {kind}: Kendall's τ between {first} and {last} steps = {tau:.2f} ({len(shared)} schemes; {spread})."
     swapped = []
     for i, j in itertools.combinations(range(len(shared)), 2):
-        before, after = means[first][i] < means[first][j], means[last][i] < means[last][j]
-        if before == after:
+        if (means[first][i] < means[first][j]) == (means[last][i] < means[last][j]):
             continue
-        firm = [
-            steps
-            for steps in (first, last)
-            if max(share := float(np.mean(draws[steps][:, i] < draws[steps][:, j])), 1 - share) >= FIRM
-        ]
-        how = "firm at both budgets" if len(firm) == 2 else "firm at neither"
-        how = f"firm at {firm[0]} steps only" if len(firm) == 1 else how
+        verdicts = {
+            steps: _separated(per_seed[shared[i]][steps], per_seed[shared[j]][steps]) for steps in (first, last)
+        }
+        if None in verdicts.values():
+            untested = ", ".join(str(steps) for steps, verdict in verdicts.items() if verdict is None)
+            how = f"too few shared seeds to test at {untested} steps"
+        else:
+            at = [steps for steps, verdict in verdicts.items() if verdict]
+            how = {0: "separated at neither budget", 2: "separated at both budgets"}.get(len(at), "")
+            how = how or f"separated at {at[0]} steps only"
         swapped.append(f"{shared[i]} and {shared[j]} ({how})")
     line += " Pairs whose order differs: " + ("; ".join(swapped) if swapped else "none") + "."
     return [line]

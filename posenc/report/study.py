@@ -240,6 +240,8 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
         budgets_only=study.budgets,
         **report,
     )
+    if read_from and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()  # nothing of its own to keep: no records, and no figure was drawn
     if study.tuning:  # what a study's runs read through optim.tuned
         write_selection(folder / SELECTION_FILE, select(results))
     kept = ""
