@@ -29,11 +29,6 @@ def _budget(run: dict[str, Any]) -> int | None:
     return (run.get("training") or {}).get("steps")
 
 
-def _mean(values: list[float | None]) -> float | None:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    return statistics.fmean(finite) if finite else None
-
-
 def _ranks(figures: dict[str, float | None]) -> dict[str, int]:
     """1 = lowest; schemes without a figure get no rank."""
     known = sorted((figure, scheme) for scheme, figure in figures.items() if figure is not None)
@@ -56,14 +51,18 @@ def budget_tables(results: list[dict[str, Any]]) -> list[str]:
         lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
         longest = lengths[-1]
         schemes = sorted(grid)
+        kinds = {"1×": (train_len, "ppl"), f"{longest // train_len}×/1×": (longest, "ratio")}
+        # {kind: {scheme: {steps: {seed: figure}}}}: each run's figure read once, for the table and the agreement
+        per_seed = {
+            kind: {scheme: {steps: _by_seed(grid[scheme][steps], at, field) for steps in budgets} for scheme in schemes}
+            for kind, (at, field) in kinds.items()
+        }
         figures = {
             (kind, steps): {
-                scheme: _mean(
-                    [value(run, train_len if kind == "1×" else longest, field) for run in grid[scheme][steps]]
-                )
+                scheme: statistics.fmean(found.values()) if (found := per_seed[kind][scheme][steps]) else None
                 for scheme in schemes
             }
-            for kind, field in (("1×", "ppl"), (f"{longest // train_len}×/1×", "ratio"))
+            for kind in kinds
             for steps in budgets
         }
         ranks = {key: _ranks(found) for key, found in figures.items()}
@@ -86,13 +85,8 @@ def budget_tables(results: list[dict[str, Any]]) -> list[str]:
             ]
             out.append(f"| {scheme} | {n} | " + " | ".join(cells) + " |")
         out.append("")
-        for kind in dict.fromkeys(kind for kind, _ in figures):
-            field = "ppl" if kind == "1×" else "ratio"
-            at = train_len if kind == "1×" else longest
-            per_seed = {
-                scheme: {steps: _by_seed(grid[scheme][steps], at, field) for steps in budgets} for scheme in schemes
-            }
-            out += _agreement(kind, per_seed, budgets[0], budgets[-1])
+        for kind in kinds:
+            out += _agreement(kind, per_seed[kind], budgets[0], budgets[-1])
     return out
 
 

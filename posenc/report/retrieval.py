@@ -138,9 +138,9 @@ def sweep_table(task: str, train_len: int, by_label: Columns, chosen: dict[str, 
             mark = "✓" if chosen.get(scheme) == label else ""
             moves = [m for m in (still_moving(validation_curve(run)) for run in runs) if m is not None]
             moving = f"{statistics.fmean(moves):.3f} [{max(moves):.3f}]" if moves else "—"
+            multiplier, lr = rates(runs[0])
             out.append(
-                f"| {label} | {rates(runs[0])[1]:g} | {rates(runs[0])[0]:g} | {learned_cell(runs, task, train_len)} | "
-                f"{seeds} | "
+                f"| {label} | {lr:g} | {multiplier:g} | {learned_cell(runs, task, train_len)} | {seeds} | "
                 f"{final_text} | {moving} | {mark} |"
             )
     unselected = [scheme for scheme in order(sweeps) if scheme not in chosen]

@@ -223,10 +223,10 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
     if not results:
         raise SystemExit(f"no results.json under {', '.join(paths)}: nothing to write {out} from")
     bench = find_bench(paths)
-    read_from = [Path(p).as_posix() for p in paths] if all(kept_elsewhere(Path(p)) for p in paths) else None
-    if read_from and records.resolve() in {Path(p).resolve() for p in paths}:
-        read_from = None  # its own records: rewritten from them as any study is
-    if read_from is None and not all(Path(p).resolve() == records.resolve() for p in paths):
+    own = all(Path(p).resolve() == records.resolve() for p in paths)  # rewritten from its own records
+    elsewhere = all(kept_elsewhere(Path(p)) and Path(p).resolve() != records.resolve() for p in paths)
+    read_from = [Path(p).as_posix() for p in paths] if elsewhere else None
+    if not own and not elsewhere:
         keep_records(results, records, bench)
         results, bench = find_results([records]), find_bench([records])
     study = STUDIES[name]
