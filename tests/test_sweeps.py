@@ -340,13 +340,20 @@ def test_the_scheme_lr_sweep_gives_each_multiplier_its_own_run(tmp_path: Path) -
     assert names == {f"{s}-L64-s0-m{m}" for s in ("t5", "kerple_log", "fire") for m in multipliers}
 
 
-def test_recall_under_the_tuning_adds_each_multiplier_of_the_schemes_with_parameters(tmp_path: Path) -> None:
-    command = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", "retrieval_offset_tuned"]
-    result = launch(tmp_path, command=command)
-    assert result.returncode == 0, result.stderr[-3000:]
-    names = {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
-    grid = itertools.product(("t5", "kerple_log", "fire"), ("0.001", "0.003", "0.01"), ("10", "100"), range(5))
-    assert names == {f"{scheme}-mqar-lr{lr}-x{m}-L64-s{seed}" for scheme, lr, m, seed in grid}
+def test_recall_is_tuned_over_one_grid_on_its_own_seed_then_run_at_five(tmp_path: Path) -> None:
+    def jobs(name: str, *overrides: str) -> set[str]:
+        command = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", name, *overrides]
+        result = launch(tmp_path, command=command)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
+
+    rates = ("0.001", "0.003", "0.01")
+    grid = itertools.product(("t5", "kerple_log", "fire"), rates, ("1", "10", "100"))
+    assert jobs("retrieval_offset_tune") == {f"{scheme}-mqar-lr{lr}-x{m}-L64-s10" for scheme, lr, m in grid}
+    without = jobs("retrieval_offset_tune", "+encoding=alibi,rope,nope", "optim.scheme_lr_multiplier=1")
+    assert without == {f"{scheme}-mqar-lr{lr}-x1-L64-s10" for scheme in ("alibi", "rope", "nope") for lr in rates}
+    schemes = ("alibi", "rope", "nope", "t5", "kerple_log", "fire")
+    assert jobs("retrieval_offset_tuned") == {f"{scheme}-mqar-L64-s{seed}" for scheme in schemes for seed in range(5)}
 
 
 def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_random_block() -> None:

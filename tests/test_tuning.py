@@ -67,3 +67,44 @@ def test_a_form_of_a_scheme_is_tuned_under_the_name_its_runs_carry() -> None:
     assert set(chosen) == {"stick_breaking_trained", "stick_breaking"}
     config = to_container(compose_train("+encoding=stick_breaking_trained"))
     assert encoding_label(config["encoding"]) in chosen  # the comparison's run finds its own scheme's setting
+
+
+def _task_run(root, label: str, lr: float, multiplier: float, losses: list[float]) -> dict:
+    """A recall run as the report reads it: results without perplexity, the validation curve in its run.json."""
+    import json
+
+    folder = root / f"{label}-mqar-lr{lr}-x{multiplier}-L64-s10"
+    (folder / "eval").mkdir(parents=True)
+    curve = [{"step": 100 * (i + 1), "loss": loss, "accuracy": 1 - loss} for i, loss in enumerate(losses)]
+    (folder / "run.json").write_text(json.dumps({"val_curve": curve, "val_loss": losses[-1]}))
+    return {
+        "label": label,
+        "seed": 10,
+        "trained_task": "mqar",
+        "config": {"optim": {"lr": lr, "scheme_lr_multiplier": multiplier}},
+        "eval": {"split": "validation"},
+        "mqar": [{"length": 64, "accuracy": 0.0}],
+        "_source": str(folder / "eval" / "results.json"),
+    }
+
+
+def test_a_task_is_selected_on_its_last_validation_loss_not_its_best_or_its_evaluation(tmp_path) -> None:
+    results = [
+        _task_run(tmp_path, "t5", 1e-3, 1, [2.0, 0.05, 0.9]),  # best early, last high: not selected
+        _task_run(tmp_path, "t5", 3e-3, 1, [2.0, 0.40, 0.30]),
+        _task_run(tmp_path, "t5", 3e-3, 10, [2.0, 0.30, 0.30 - TIE / 2]),  # tied: the smaller multiplier wins
+        _task_run(tmp_path, "t5", 1e-2, 100, [2.0, 1.00, 0.20]),  # the lowest last loss
+        _task_run(tmp_path, "alibi", 1e-3, 1, [2.0, 1.0, 1.5]),
+        _task_run(tmp_path, "alibi", 1e-2, 1, [2.0, 1.0, 1.2]),
+    ]
+    chosen = select(results)
+    assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (1e-2, 100)
+    assert chosen["t5"]["margin_to_next"] == pytest.approx(0.1 - TIE / 2)
+    assert (chosen["alibi"]["lr"], chosen["alibi"]["scheme_lr_multiplier"]) == (1e-2, 1)
+    results[3] = _task_run(tmp_path / "other", "t5", 1e-2, 100, [2.0, 1.0, 0.30])  # now tied with x1 and x10 at 3e-3
+    chosen = select(results)
+    assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (3e-3, 1)
+    without_record = {**results[0], "_source": str(tmp_path / "missing" / "eval" / "results.json")}
+    assert select([without_record]) == {}  # no curve, no figure: never selected on a guess
+    assert "answers' on the held-out windows" in "\n".join(tuning_section(results))
+    assert "answers'" not in "\n".join(tuning_section([_run("t5", 1e-3, 1, 2.0)]))

@@ -116,11 +116,22 @@ STUDIES = {
         "#   python -m posenc.train -m -cd sweeps -cn retrieval_offset optim.lr=3e-3",
         "outputs/sweeps/mqar_offset",
     ),
+    "recall-tuning": Study(
+        "The tuning of recall at a random offset: one grid for every scheme, selected on validation",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune  # the schemes with parameters: whole grid\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune +encoding=alibi,rope,nope "
+        "optim.scheme_lr_multiplier=1",
+        "outputs/sweeps/mqar_offset_tune",
+        tuning=True,
+    ),
     "recall-offset-tuned": Study(
-        "Associative recall at a random offset under the comparison's tuning (rates and scheme multipliers)",
-        "python -m posenc.train -m -cd sweeps -cn retrieval_offset  # x1: 6 schemes x 3 rates x 5 seeds\n"
-        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tuned  # x10, x100: T5, KERPLE-log, FIRE",
-        "outputs/sweeps/mqar_offset outputs/sweeps/mqar_offset_tuned",
+        "Associative recall at a random offset under the comparison's recipe: tuned on validation, settings scaled",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune  # then +encoding=alibi,rope,nope "
+        "optim.scheme_lr_multiplier=1, and the recall-tuning study (docs/results/recall-tuning.md)\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tuned  # 6 schemes x 5 seeds; on 2 cores, as two "
+        "single-threaded halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,rope,nope,t5 & OMP_NUM_THREADS=1 ... +encoding=kerple_log,fire",
+        "outputs/sweeps/mqar_offset_tuned",
     ),
     "ruler-tasks": Study(
         "Two RULER tasks, multikey and variable tracking (one seed)",

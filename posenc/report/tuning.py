@@ -11,6 +11,12 @@ The rule, fixed before any tuning run: the grid point with the lowest in-length 
 seeds); points within ``TIE`` nats of the lowest count as tied, and a tie goes to the smaller scheme multiplier,
 then the smaller learning rate (the cheaper, more conservative setting). Selecting on in-length loss keeps the
 question a study asks, how the scheme extrapolates, out of the choice.
+
+A text run's in-length validation loss is its evaluation at 1× on the validation split. A task run (recall, trained
+on one generator) has no split of documents: its validation set is the held-out windows of the training format that
+training scores (another seed stream than the evaluation windows a study reports), so its figure is the loss on those
+windows at the end of training, read from its ``run.json``. Loss, not accuracy, for the same reason as for text: it
+is continuous, so a rate that learned the task well is told from one that barely did, and one rule serves both.
 """
 
 from __future__ import annotations
@@ -22,10 +28,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posenc.jsonio import write_text
+from posenc.jsonio import read_record, write_text
 from posenc.model import encoding_label
+from posenc.report.common import run_dir
+from posenc.runs import RUN_FILE
 
 SELECTION_FILE = "selection.json"
+TASK_NOTE = (
+    " For a task the loss is its answers' on the held-out windows of the training format at the end of training "
+    "(the validation set training scores, another seed stream than the evaluation windows): a perplexity near 1 is "
+    "a lookup learned."
+)
 TIE = 0.002  # nats: below a tenth of the seed-to-seed spread of in-length loss at the tiny size (scheme-lr.md)
 RULE = (
     "lowest in-length (1×) validation loss, mean over the tuning seeds; points within "
@@ -38,7 +51,21 @@ def _setting(run: dict[str, Any]) -> tuple[float, float]:
     return float(optim.get("lr", math.nan)), float(optim.get("scheme_lr_multiplier", 1.0))
 
 
+def _final_validation_loss(run: dict[str, Any]) -> float | None:
+    """A task run's loss on the held-out windows of its training format at its last validation (``run.json``)."""
+    if not run.get("_source"):
+        return None
+    try:
+        record = read_record(Path(run_dir(run)) / RUN_FILE)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    curve = [point for point in record.get("val_curve") or [] if point.get("loss") is not None]
+    return float(curve[-1]["loss"]) if curve else None
+
+
 def _in_length_loss(run: dict[str, Any]) -> float | None:
+    if run.get("trained_task"):
+        return _final_validation_loss(run)
     if ((run.get("eval") or {}).get("split") or "validation") != "validation":
         return None
     row = next((r for r in run.get("perplexity") or [] if r.get("multiple") == 1 and not r.get("error")), None)
@@ -105,7 +132,8 @@ def tuning_section(results: Sequence[dict[str, Any]]) -> list[str]:
         "## Tuning: one grid for every scheme, selected on validation",
         "",
         f"Selection rule (fixed before the runs): {RULE}. Cells: in-length validation perplexity (mean over seeds, n "
-        "beside a cell of more than one); ◆ the selected point. A scheme without parameters has one multiplier.",
+        "beside a cell of more than one); ◆ the selected point. A scheme without parameters has one multiplier."
+        + (TASK_NOTE if any(run.get("trained_task") for run in results) else ""),
         "",
         "| scheme | selected lr | selected multiplier | in-length val. ppl | margin to the next point (nats) |",
         "|---|---:|---:|---:|---:|",
