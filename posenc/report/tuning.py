@@ -28,10 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posenc.jsonio import read_record, write_text
+from posenc.jsonio import write_text
 from posenc.model import encoding_label
-from posenc.report.common import run_dir
-from posenc.runs import RUN_FILE
+from posenc.report.retrieval import validation_curve
 
 SELECTION_FILE = "selection.json"
 TASK_NOTE = (
@@ -53,13 +52,7 @@ def _setting(run: dict[str, Any]) -> tuple[float, float]:
 
 def _final_validation_loss(run: dict[str, Any]) -> float | None:
     """A task run's loss on the held-out windows of its training format at its last validation (``run.json``)."""
-    if not run.get("_source"):
-        return None
-    try:
-        record = read_record(Path(run_dir(run)) / RUN_FILE)
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    curve = [point for point in record.get("val_curve") or [] if point.get("loss") is not None]
+    curve = [point for point in validation_curve(run) if point.get("loss") is not None]
     return float(curve[-1]["loss"]) if curve else None
 
 
