@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from posenc.report import build_report, find_results
+from posenc.report.common import scored_on
 from posenc.report.preset import learned_seeds, recall_test
 from posenc.report.study import keep_records
 
@@ -46,6 +47,18 @@ def test_tables_say_their_split_budget_tuned_rates_and_untrained_parameters(tmp_
     assert "differ in more than their scheme" not in table  # tuned rates are said as such, not as a difference
     assert "t5† (n=2" in table and "† reads positional parameters that training at its length never reached" in table
     assert "alibi† " not in table
+
+
+def test_a_task_run_is_said_to_be_scored_on_generated_windows_not_the_split_its_config_names() -> None:
+    budget = {"budget": {"tokens_per_parameter": 70.04}}
+    task = {"trained_task": "mqar", "eval": {"split": "validation"}} | budget  # the split is a text default, unread
+    text = {"eval": {"split": "test"}} | budget
+    said = scored_on({"alibi": [task], "t5": [task]})
+    assert said.startswith("Scored on generated windows, not a text split (the same windows at a length for every run")
+    assert "validation split" not in said and said.endswith("; trained for 70 tokens a parameter.")
+    both = scored_on({"alibi": [text], "t5": [task]})
+    assert both.startswith("Scored on the test split; and on generated windows, not a text split")
+    assert scored_on({"alibi": [{"trained_task": "mqar"}]}) == ""  # nothing worth saying of a record without a budget
 
 
 def test_kept_records_are_compressed_and_the_report_reads_them_the_same(tmp_path: Path) -> None:

@@ -239,6 +239,10 @@ def table_head(
 
 
 UNREACHED = "†"
+GENERATED_WINDOWS = (
+    "generated windows, not a text split (the same windows at a length for every run, from the evaluation's own seed, "
+    "apart from every training and validation seed)"
+)
 UNSETTLED = "‡"
 TUNED_KEYS = ("optim.lr=", "optim.scheme_lr_multiplier=", "optim.tuned=")
 
@@ -301,12 +305,21 @@ def tuned_settings(by_label: Columns) -> str:
 
 
 def scored_on(by_label: Columns) -> str:
-    """The split the cells were scored on and the budget the columns trained for, in tokens a parameter."""
+    """The split the cells were scored on and the budget the columns trained for, in tokens a parameter.
+
+    A run trained on a task reads no text split: its evaluation windows are generated from the evaluation's own seed,
+    the same windows for every run, so naming the text split its config still carries would misstate what was scored.
+    """
     runs = [run for found in by_label.values() for run in found]
-    splits = sorted({str((run.get("eval") or {}).get("split") or "validation") for run in runs})
+    text = [run for run in runs if not run.get("trained_task")]
+    splits = sorted({str((run.get("eval") or {}).get("split") or "validation") for run in text})
     budgets = sorted({round(run["budget"]["tokens_per_parameter"], 1) for run in runs if run.get("budget")})
-    parts = [f"Scored on the {' and '.join(splits)} split"]
+    scored = [f"the {' and '.join(splits)} split"] if splits else []
+    if len(text) < len(runs):
+        scored.append(GENERATED_WINDOWS)
+    parts = [f"Scored on {'; and on '.join(scored)}"]
     if budgets:
         shown = f"{budgets[0]:g}" if len(budgets) == 1 else f"{budgets[0]:g}–{budgets[-1]:g}"
         parts.append(f"trained for {shown} tokens a parameter")
-    return "; ".join(parts) + "." if any(run.get("budget") for run in runs) or splits != ["validation"] else ""
+    said = any(run.get("budget") for run in runs) or splits not in ([], ["validation"])
+    return "; ".join(parts) + "." if said else ""
