@@ -239,12 +239,12 @@ def table_head(
 
 
 UNREACHED = "†"
+UNSETTLED = "‡"
+TUNED_KEYS = ("optim.lr=", "optim.scheme_lr_multiplier=", "optim.tuned=")
 GENERATED_WINDOWS = (
     "generated windows, not a text split (the same windows at a length for every run, from the evaluation's own seed, "
     "apart from every training and validation seed)"
 )
-UNSETTLED = "‡"
-TUNED_KEYS = ("optim.lr=", "optim.scheme_lr_multiplier=", "optim.tuned=")
 
 
 def coverage_gaps(runs: Sequence[dict[str, Any]]) -> str:
