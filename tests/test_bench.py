@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from torch.profiler import ProfilerActivity, profile
 
 from posenc.bench import compare as bench_compare
-from posenc.bench.attention import attention_call, fastest, reference_backends
+from posenc.bench.attention import attention_call, fastest, record_failure, reference_backends
 from posenc.bench.run import markdown, run
 from posenc.bench.step import interleaved_steps_ms
 from posenc.config import CONF_DIR
@@ -114,10 +114,32 @@ def test_bench_reports_a_failure_as_a_result(tmp_path: Path) -> None:
     results = run(_compose(*overrides, "train_step.attention=flex", "long_context.length=null"), tmp_path)
     (flex,) = [r for r in results["attention"] if r["backend"] == "flex" and r["scheme"] == "alibi"]
     assert flex["forward_ms"] > 0 and "cannot train on CPU" in flex["train_error"]
+    assert "Traceback" in flex["train_error_traceback"]  # kept whole in bench.json, beside the table's cause
     step = {r["scheme"]: r for r in results["train_step"]}
     assert "cannot train on CPU" in step["alibi"]["error"] and "tokens_per_s" not in step["alibi"]
     assert "cannot train on CPU" in (tmp_path / "bench.md").read_text()
     assert results["long_context"] == []
+
+
+def test_a_failed_case_keeps_its_cause_and_its_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    # A compile error's first line is a header; the cause follows it. The table cell gets the cause, the record
+    # and the log (stdout, which the GPU session keeps as the step's log) the whole exception and traceback.
+    def compile_kernel() -> None:
+        raise RuntimeError("backend='inductor' raised:\nCompilationError: at 12:4:\n    acc += tl.dot(p, v)\n    ^")
+
+    row: dict = {"item": "fused table kernel"}
+    try:
+        compile_kernel()
+    except RuntimeError as err:
+        record_failure(row, "train_error", err)
+    assert (
+        row["train_error"].startswith("RuntimeError: CompilationError: at 12:4:")
+        and "raised:" not in row["train_error"]
+    )
+    trace = row["train_error_traceback"]
+    assert "compile_kernel" in trace and "acc += tl.dot(p, v)" in trace and "backend='inductor' raised:" in trace
+    printed = capsys.readouterr().out
+    assert "fused table kernel" in printed and "compile_kernel" in printed and "at 12:4:" in printed
 
 
 COMPARE = [

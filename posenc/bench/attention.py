@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -108,12 +109,34 @@ def peak_mib(fn: Callable[[], Any], device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def failure(err: Exception) -> str:
-    """One line saying why a case could not run (an OOM, or a backend refusing the scheme or the device)."""
+def failure(err: BaseException) -> str:
+    """A case's cause for its table cell: the exception's type and its first lines that say something.
+
+    Not only the first line: a compile error's first line is often a header (dynamo's ``backend='inductor'
+    raised:``), and the cause (Triton's ``at 12:4: ...``) follows it. The whole exception and its traceback go to
+    the record and the log (``record_failure``).
+    """
     if isinstance(err, torch.cuda.OutOfMemoryError):
         torch.cuda.empty_cache()
         return "OOM"
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.strip().endswith("raised:")]
+    return f"{type(err).__name__}: {' / '.join(lines)}"[:FAILURE_CHARS]
+
+
+FAILURE_CHARS = 300  # a table cell's share of a failure; the record keeps the whole of it
+TRACEBACK_CHARS = 20_000  # the end of a traceback, where the cause is, kept in the record
+
+
+def record_failure(row: dict[str, Any], key: str, err: BaseException) -> None:
+    """Why a case failed, kept whole: ``row[key]`` the table's cause, ``row[<key>_traceback]`` the traceback.
+
+    Why whole: a GPU is lent for minutes and returns a few files, so a failure whose cause was cut off costs a
+    second lease just to read it. The traceback is also printed, so the step's log holds it too.
+    """
+    row[key] = failure(err)
+    trace = "".join(traceback.format_exception(err))[-TRACEBACK_CHARS:]
+    row[f"{key}_traceback"] = trace
+    print(f"--- {key} of {row.get('item') or row.get('scheme') or 'a case'}: {row[key]}\n{trace}", flush=True)
 
 
 def attention_call(
@@ -179,5 +202,5 @@ def measure_attention(scheme: str, backend: str, length: int, cfg: DictConfig, d
             row[f"{mode}_tokens_per_s"] = tokens / row[f"{mode}_ms"] * 1e3
             row[f"{mode}_peak_mib"] = peak_mib(fn, device)
         except Exception as err:  # a refused or failed case is a result, reported as such
-            row[f"{mode}_error"] = failure(err)
+            record_failure(row, f"{mode}_error", err)
     return row

@@ -39,7 +39,7 @@ from posenc.attention import get_backend
 from posenc.attention.bias_grad import derivative_sums, diagonal_sums, row_deltas
 from posenc.attention.flex import flex_run, kernel_options
 from posenc.attention.tables import distance_table, plan_gradient, table_score_mod
-from posenc.bench.attention import failure, median_ms, resolve_dtype
+from posenc.bench.attention import median_ms, record_failure, resolve_dtype
 from posenc.bench.profile import profile_step
 from posenc.encodings import build
 from posenc.jsonio import write_json, write_text
@@ -176,7 +176,7 @@ def decomposition(cfg: DictConfig, device: torch.device, out_dir: Path, environm
             try:
                 row[f"{mode}_ms"] = median_ms(fn, device, cfg.warmup, cfg.repeats, cfg.case_budget_s)
             except Exception as err:  # a refused or failed piece is a result, reported as such
-                row[f"{mode}_error"] = failure(err)
+                record_failure(row, f"{mode}_error", err)
                 continue
             if name == "sdpa flash":
                 reference[mode] = row[f"{mode}_ms"]

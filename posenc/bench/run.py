@@ -35,11 +35,11 @@ from posenc.attention.auto import choose
 from posenc.attention.flex_learnable import supports
 from posenc.bench.attention import (
     attention_call,
-    failure,
     fastest,
     measure_attention,
     median_ms,
     peak_mib,
+    record_failure,
     reference_backends,
     resolve_device,
     resolve_dtype,
@@ -121,7 +121,7 @@ def long_context_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
                 row["forward_ms"] = median_ms(call, device, 1, 3)
                 row["forward_peak_mib"] = peak_mib(call, device)
         except Exception as err:  # an OOM here is the result being checked
-            row["error"] = failure(err)
+            record_failure(row, "error", err)
         rows.append(row)
         print(case_line(row), flush=True)
     return rows

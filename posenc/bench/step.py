@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from posenc.bench.attention import failure, resolve_dtype, timed_ms
+from posenc.bench.attention import record_failure, resolve_dtype, timed_ms
 from posenc.bench.profile import profile_step
 from posenc.config import CONF_DIR, encoding_choices, to_container
 from posenc.encodings.length import scale_to_length
@@ -69,7 +69,7 @@ def train_step_cases(cfg: DictConfig, device: torch.device) -> list[dict]:
 
             steps[len(rows)] = step
         except Exception as err:  # reported in the table
-            row["error"] = failure(err)
+            record_failure(row, "error", err)
         rows.append(row)
     times = interleaved_steps_ms(steps, rows, device, cfg.warmup, cfg.repeats, cfg.case_budget_s)
     for index, samples in times.items():
@@ -110,7 +110,7 @@ def interleaved_steps_ms(
             else:
                 steps[index]()
         except Exception as err:
-            rows[index]["error"] = failure(err)
+            record_failure(rows[index], "error", err)
             del steps[index], times[index]
 
     for _ in range(warmup):
