@@ -239,11 +239,19 @@ def test_deterministic_table_gradient_is_the_same_bits_on_every_run() -> None:
     atomic = table_gradient()
     torch.use_deterministic_algorithms(True)
     try:
-        first, second = table_gradient(), table_gradient()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+            first, second = table_gradient(), table_gradient()
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(first, second) and first.abs().min() > 0  # every distance reached
     torch.testing.assert_close(first, atomic, atol=1e-5, rtol=1e-4)
+    # On CUDA, deterministic mode refuses a cuBLAS call unless CUBLAS_WORKSPACE_CONFIG was set before the first
+    # one; a CPU build never checks. So the deterministic backward's own operators hold no matrix product.
+    called = {event.name for event in profiled.events()}
+    assert "aten::sum" in called and not called & CUBLAS_OPERATORS, called & CUBLAS_OPERATORS
+
+
+CUBLAS_OPERATORS = {f"aten::{name}" for name in ("mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot")}
 
 
 def test_the_kernels_are_custom_ops_with_fake_and_autograd_implementations() -> None:

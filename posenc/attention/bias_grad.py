@@ -34,8 +34,13 @@ BAND_MAX_ELEMENTS = 1 << 24  # scores held at once by the band pass (64 MiB in f
 
 @full_precision
 def row_deltas(out: Tensor, dout: Tensor) -> Tensor:
-    """Δ_i = dO_i · O_i (B, H, L) in fp32: the softmax backward's per-row term."""
-    return torch.einsum("bhld,bhld->bhl", dout.float(), out.float())
+    """Δ_i = dO_i · O_i (B, H, L) in fp32: the softmax backward's per-row term.
+
+    A product and a sum, not an einsum: the einsum runs as a batched matrix product (cuBLAS), which CUDA refuses
+    under deterministic algorithms unless CUBLAS_WORKSPACE_CONFIG was set before its first call, and the
+    deterministic table gradient calls this.
+    """
+    return (dout.float() * out.float()).sum(dim=-1)
 
 
 @full_precision
