@@ -15,9 +15,11 @@ import torch
 from conftest import SCHEMES, make
 
 import posenc.attention.auto as auto
+import posenc.attention.triton_launch as triton_launch
 import posenc.attention.triton_table as triton_table
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
+from posenc.bench import bias_values
 from posenc.encodings.base import PositionalEncoding, distances
 from posenc.model import Decoder
 
@@ -49,8 +51,8 @@ ALL_DISTANCE_BIASES = "+".join(DISTANCE_SCHEMES)  # every distance-only scheme i
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_table, "BLOCK_M", 32)
-    monkeypatch.setattr(triton_table, "BLOCK_N", 32)
+    monkeypatch.setattr(triton_launch, "BLOCK_M", 32)
+    monkeypatch.setattr(triton_launch, "BLOCK_N", 32)
 
 
 def _run(backend: str, name: str, length: int, dtype: torch.dtype = torch.float32, head_dim: int = HEAD_DIM):
@@ -132,8 +134,8 @@ def test_unequal_blocks_and_many_tiles(
 ) -> None:
     # Non-square tiles, taller or wider (GPU classes launch both): the skewed diagonal reduction of each, and
     # 4 × 2 tiles per head (2 × 3 with a partial last query block).
-    monkeypatch.setattr(triton_table, "BLOCK_M", block_m)
-    monkeypatch.setattr(triton_table, "BLOCK_N", block_n)
+    monkeypatch.setattr(triton_launch, "BLOCK_M", block_m)
+    monkeypatch.setattr(triton_launch, "BLOCK_N", block_n)
     _assert_matches(ALL_DISTANCE_BIASES if length == 64 else "kerple_log+t5", length)
 
 
@@ -281,3 +283,19 @@ def test_a_compiled_block_through_the_kernels_is_one_graph() -> None:
         if expected.grad is not None:
             torch.testing.assert_close(got.grad, expected.grad, atol=1e-5, rtol=1e-4, msg=name)
     torch._dynamo.reset()
+
+
+def test_the_bias_stage_checks_the_fused_kernels_values_and_catches_a_wrong_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What the GPU's bias stage runs before timing (there in bf16 at head dims 64 and 128, atomic and deterministic):
+    # here under the interpreter, deterministic, at a length no tile divides. Every tensor is compared, KERPLE-log's
+    # parameters' gradients among them.
+    enc = make("kerple_log", heads=HEADS, head_dim=HEAD_DIM).to(DEVICE)
+    result = bias_values.check(enc, 1, 39, HEAD_DIM, torch.float32, deterministic=True)
+    assert result["ok"], result
+    assert set(result["errors"]) == {"out", "dq", "dk", "dv", *(f"d{name}" for name, _ in enc.named_parameters())}
+    off = lambda *args: get_backend("eager")(*args) * 1.001  # noqa: E731  a kernel off by a tenth of a percent
+    monkeypatch.setattr(bias_values, "get_backend", lambda name: off if name == "triton" else get_backend(name))
+    wrong = bias_values.check(enc, 1, 39, HEAD_DIM, torch.float32, deterministic=False)
+    assert not wrong["ok"] and not wrong["errors"]["out"]["ok"]

@@ -17,10 +17,12 @@ exist:
 - ALiBi through ``flex`` from its table (its table tiles), and from its own formula with torch's default tiles, the
   path it took before: what reading a table costs, or saves, a fixed bias;
 
-then a profile of the heaviest kernels of the two learnable paths (``flex_learnable`` and the fused kernel). Each item
-is written to ``bias.json`` and ``bias.md`` as soon as it is timed, so a run stopped at a deadline keeps every item
-measured before it. An item that cannot run here (FlexAttention's CPU backward, Triton without a GPU) records its
-error and the rest go on: on CPU the stage rehearses, it does not measure.
+first, the fused kernel's values against the dense fp32 reference (``bias_values``: head dims 64 and 128, a length
+that is no multiple of its tiles, atomic and deterministic); then a profile of the heaviest kernels of the two
+learnable paths (``flex_learnable`` and the fused kernel). Each item is written to ``bias.json`` and ``bias.md`` as
+soon as it is timed, so a run stopped at a deadline keeps every item measured before it. An item that cannot run here
+(FlexAttention's CPU backward, Triton without a GPU) records its error and the rest go on: on CPU the stage rehearses,
+it does not measure.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from posenc.attention.bias_grad import derivative_sums, diagonal_sums, row_delta
 from posenc.attention.flex import flex_run, kernel_options
 from posenc.attention.tables import distance_table, plan_gradient, table_score_mod
 from posenc.bench.attention import median_ms, record_failure, resolve_dtype
+from posenc.bench.bias_values import markdown as values_markdown
+from posenc.bench.bias_values import value_checks
 from posenc.bench.profile import profile_step
 from posenc.encodings import build
 from posenc.jsonio import write_json, write_text
@@ -164,10 +168,14 @@ def decomposition(cfg: DictConfig, device: torch.device, out_dir: Path, environm
     rows: list[dict[str, Any]] = []
     reference: dict[str, float] = {}
 
-    def write() -> None:
-        write_json(out_dir / "bias.json", {"environment": header, "items": rows})
-        write_text(out_dir / "bias.md", markdown(header, rows))
+    values: list[dict[str, Any]] = []
 
+    def write() -> None:
+        write_json(out_dir / "bias.json", {"environment": header, "values": values, "items": rows})
+        write_text(out_dir / "bias.md", markdown(header, rows, values))
+
+    values += value_checks(cfg, device)  # before any timing: a kernel that computes wrong values is not timed first
+    write()
     for name, what, forward, train in _items(cfg, device):
         row: dict[str, Any] = {"item": name, "what": what}
         for mode, fn in (("forward", forward), ("train", train)):
@@ -205,8 +213,8 @@ def line(row: dict[str, Any]) -> str:
     return f"bias decomposition  {row['item']:<26} " + "  ".join(parts)
 
 
-def markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """``bias.md``: the shape and device, one row per item, the profiles below."""
+def markdown(header: dict[str, Any], rows: list[dict[str, Any]], values: list[dict[str, Any]] = ()) -> str:
+    """``bias.md``: the shape and device, one row per item, the fused kernel's values, the profiles below."""
     shape = header["shape"]
     lines = [
         f"### Bias decomposition: B {shape['batch']}, H {shape['heads']}, L {shape['length']}, D {shape['head_dim']}",
@@ -229,6 +237,7 @@ def markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             else:
                 cells += ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += values_markdown(list(values))
     for row in rows:
         if "profile" in row:
             prof = row["profile"]
