@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from posenc.config import encoding_choices
-from posenc.gpu import pack, plan
+from posenc.gpu import leases, pack, plan
 from posenc.gpu.runner import RESERVE_S, ROOT, Runner, Step
 from posenc.gpu.session import gpu_image, main, planned_s, step_env
 
@@ -68,6 +68,29 @@ def test_every_stage_is_planned_inside_one_command(tmp_path: Path, stage: str, o
         train = steps[-1].argv
         assert any(arg.startswith("+trainer.max_time=") for arg in train)
         assert "checkpoint_every_n_steps=1000000" in train  # one checkpoint, at the end
+
+
+@pytest.mark.parametrize("lease", sorted(leases.LEASES))
+def test_every_lease_is_one_command_that_fits_the_lease(tmp_path: Path, lease: int) -> None:
+    # A lease: fifteen minutes, of which a start takes up to three; one command of at most ten. Every part has a
+    # budget its plan fits in, and the budgets, the first step and the summary's reserve fit what the lease leaves.
+    assert leases.COMMANDS_S + leases.MACHINE_START_S + leases.RETURN_S <= leases.LEASE_S
+    assert leases.deadline_s(lease) <= min(leases.COMMANDS_S, 600)
+    steps = leases.build(lease, tmp_path)
+    assert [step.name for step in steps].count("versions") == 1
+    for step in steps[1:]:
+        assert step.budget_s is not None and step.planned_s <= step.budget_s, step.name
+    assert planned_s(steps) <= leases.deadline_s(lease) - RESERVE_S
+    names = [step.name for step in steps]
+    assert len(set(names)) == len(names)
+
+
+def test_lease_one_is_the_bias_decomposition_then_the_train_step(tmp_path: Path) -> None:
+    steps = leases.build(1, tmp_path)
+    assert [step.name for step in steps] == ["versions", "bench-bias", "bench-train-step"]
+    assert all(step.exclusive for step in steps[1:])  # timings, alone on the machine
+    with pytest.raises(ValueError, match="there is no lease 99"):
+        leases.build(99, tmp_path)
 
 
 def test_repro_trains_for_what_the_deadline_leaves() -> None:
@@ -186,6 +209,22 @@ def test_one_deadline_stops_a_step_with_its_group_and_leaves_the_rest_unstarted(
     assert "| hangs | timed out |" in (out / "summary.md").read_text()
 
 
+def test_a_step_over_its_budget_is_stopped_and_the_next_one_runs(tmp_path: Path) -> None:
+    # Two parts of one lease: the first overruns its budget and is stopped with its group, keeping what it wrote;
+    # the second still gets its time, though the command's deadline is far off.
+    pid_file = tmp_path / "child.pid"
+    steps = [python_step("overruns", hanging(pid_file), budget_s=3), python_step("next", "print('ran')", budget_s=30)]
+    started = time.monotonic()
+    runner = Runner(steps, tmp_path / "logs", started + 120, step_env(None, tmp_path), echo=io.StringIO())
+    runner.run()
+    assert time.monotonic() - started < 3 + 10
+    assert [step.status for step in steps] == ["timed out", "passed"]
+    assert not alive(int(pid_file.read_text()))
+    log = (tmp_path / "logs" / "overruns.log").read_text()
+    assert "waiting" in log and "stopped at its budget of 3 s" in log
+    assert (tmp_path / "logs" / "next.log").read_text() == "ran\n"
+
+
 def meta(started: float) -> dict:
     return {
         "stage": "proof",
@@ -291,19 +330,31 @@ def test_the_proof_rehearsed_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_bias_decomposition_rehearsed_on_cpu(tmp_path: Path) -> None:
-    # One command: every item timed (or its CPU refusal recorded) at a tiny shape, written as it goes, ≤ 8 files back.
-    process = session(tmp_path, "--stage", "speed", "--part", "bias", "--deadline", "200")
-    output, _ = process.communicate(timeout=220)
+def test_lease_one_rehearsed_on_cpu(tmp_path: Path) -> None:
+    # The first lease's one command on CPU: the fused kernel's value checks (under Triton's interpreter, as the
+    # rehearsal runs the kernels), every bias item timed or its refusal recorded, then the train-step table; at most
+    # eight files back.
+    process = session(tmp_path, "--lease", "1")
+    output, _ = process.communicate(timeout=500)
     assert process.returncode == 0, output[-3000:]
-    assert "commands of the speed stage parse" in output
+    assert output.count("commands of the speed stage parse") == 2  # each part's GPU command lines compose
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["outputs.tar.gz", "summary.json", "summary.md"]
-    items = json.loads((tmp_path / "work" / "bias" / "bias.json").read_text())["items"]
+    bias = json.loads((tmp_path / "work" / "bias" / "bias.json").read_text())
+    items = bias["items"]
     assert items[0]["item"] == "sdpa flash" and items[0]["train_ms"] > 0
     assert len(items) >= 12 and {"band pass", "fused table kernel", "captured-buffer gradient"} <= {
         row["item"] for row in items
     }
     assert all(any(key.endswith(("_ms", "_error")) for key in row) for row in items)  # timed, or why not
+    checks = bias["values"]
+    cases = [(row["length"], row["deterministic"]) for row in checks]
+    assert cases == [(32, False), (32, True), (31, False), (31, True)]
+    assert all(row["ok"] and {"out", "dq", "dk", "dv"} < set(row["errors"]) for row in checks), checks
+    step = json.loads((tmp_path / "work" / "train-step" / "bench.json").read_text())["train_step"]
+    assert {row["scheme"] for row in step} >= {"nope", "alibi", "kerple_log", "t5"}
     summary = (out / "summary.md").read_text()
+    assert summary.startswith("# GPU session: lease 1 (rehearsal on CPU)")
     assert "Bias decomposition: B 1, H 2, L 32, D 16" in summary and "| band pass |" in summary
+    assert "fused kernel's values against the fp32 reference" in summary
+    assert "| bench-bias | passed |" in summary and "| bench-train-step | passed |" in summary

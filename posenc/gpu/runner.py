@@ -7,6 +7,9 @@ seconds it keeps back (``RESERVE_S``) to write what comes back. A SIGTERM or SIG
 running step the same way before the session writes its summary and exits; a SIGKILL, which the session cannot
 see, is the watchdog's to clean up (``posenc.gpu.watchdog``).
 
+A step may also have a budget of its own (``Step.budget_s``): when a command runs several parts (a lease), each part
+is stopped at its budget, so that one part that overruns cannot take the time planned for the next.
+
 Steps may overlap where the plan says so (``Step.overlap``): the next step starts while it runs. A step marked
 ``exclusive`` (a timing) starts only when nothing else runs and lets nothing start beside it.
 """
@@ -45,6 +48,7 @@ class Step:
     graphs: int = 0  # distinct compiled graphs it is planned to compile
     overlap: bool = False  # the next step may start while this one runs
     exclusive: bool = False  # runs alone: nothing beside it (timings)
+    budget_s: float | None = None  # its own deadline within the command's, so that the steps after it still run
     env: dict[str, str] = field(default_factory=dict)
     status: str = "never started"  # never started | running | passed | failed | timed out | stopped
     returncode: int | None = None
@@ -129,6 +133,7 @@ class Runner:
                     break  # no time for the rest: they stay "never started"
                 if self.running:
                     self._pump(min(1.0, max(0.0, self.deadline - time.monotonic())))
+                    self._stop_over_budget()
                     if time.monotonic() >= self.deadline:
                         self._stop_all("timed out", "stopped at the session's deadline")
         finally:
@@ -220,6 +225,15 @@ class Runner:
         del self.running[running.process.pid]
         self._say(f"== {step.name}: {step.status} in {step.seconds:.0f} s\n")
         self.on_change()
+
+    def _stop_over_budget(self) -> None:
+        """Stop, with its group, every step that has run past its own budget; what it wrote stays."""
+        now = time.monotonic()
+        over = [r for r in self.running.values() if r.step.budget_s is not None and now - r.started >= r.step.budget_s]
+        if over:
+            stop_groups({r.process.pid for r in over})
+        for running in over:
+            self._finish(running, "timed out", f"stopped at its budget of {running.step.budget_s:.0f} s")
 
     def _stop_all(self, status: str, note: str) -> None:
         """Stop every running step with its whole process group and record why."""

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from posenc.gpu import pack, plan
+from posenc.gpu import leases, pack, plan
 from posenc.gpu.runner import RESERVE_S, ROOT, Runner, SessionStoppedError, Step
 
 # Packages the GPU machine lacks that the project can import: a rehearsal makes them fail to import, as they would.
@@ -87,7 +87,8 @@ def plan_lines(steps: list[Step], deadline_s: float) -> list[str]:
     lines = []
     for step in steps:
         how = "overlaps the next" if step.overlap else "alone" if step.exclusive else ""
-        lines.append(f"{step.stage:6} {step.name:22} {step.planned_s:5.0f} s {step.graphs:4d} graphs  {how}")
+        budget = f"  budget {step.budget_s:.0f} s" if step.budget_s is not None else ""
+        lines.append(f"{step.stage:6} {step.name:22} {step.planned_s:5.0f} s {step.graphs:4d} graphs  {how}{budget}")
         lines.append(f"       {shlex.join(step.argv)}")
     total, graphs = planned_s(steps), sum(step.graphs for step in steps)
     fits = "fits" if total <= deadline_s - RESERVE_S else "does NOT fit: expect steps to time out"
@@ -136,6 +137,12 @@ def _ppl(row: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m posenc.gpusession", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--lease",
+        type=int,
+        choices=sorted(leases.LEASES),
+        help="run lease N of the GPU plan, all its parts in this one command (posenc/gpu/leases.py); the plan's order",
+    )
     parser.add_argument("--stage", choices=plan.STAGES, default="proof", help="what this command runs (default proof)")
     parser.add_argument("--length", type=int, default=8192, help="speed: the attention table's length (8192 first)")
     parser.add_argument(
@@ -147,7 +154,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scheme", default="alibi", help="repro: the paper-scale scheme of this command")
     parser.add_argument("--configs", default="", help="proof: comma-separated configs (default: every one)")
     parser.add_argument("--jobs", type=int, default=8, help="proof: trainings at once (default 8)")
-    parser.add_argument("--deadline", type=float, default=540.0, help="seconds the whole command may take (540)")
+    parser.add_argument(
+        "--deadline", type=float, help="seconds the whole command may take (a stage 540; a lease its budgets' sum)"
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/gpusession"), help="the files that come back")
     parser.add_argument("--work", type=Path, default=None, help="where steps write (default outputs/gpusession-work)")
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="wheels to install when Hydra is missing")
@@ -176,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     site = None if args.dry_run else install_wheels(args.wheels, work)
     configs = tuple(name for name in args.configs.split(",") if name)
+    deadline = args.deadline or (leases.deadline_s(args.lease) if args.lease else 540.0)
     options = plan.Options(
         stage=args.stage,
         work=work,
-        deadline_s=args.deadline,
+        deadline_s=deadline,
         length=args.length,
         part=args.part,
         scheme=args.scheme,
@@ -188,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         jobs=args.jobs,
     )
     try:
-        steps = plan.build(options)
+        steps = leases.build(args.lease, work, args.rehearse) if args.lease else plan.build(options)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    lines = plan_lines(steps, args.deadline)
+    lines = (leases.lines(args.lease) if args.lease else []) + plan_lines(steps, deadline)
     if args.dry_run:
         print("\n".join(lines))
         return 0
@@ -201,14 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.rehearse:
         env["PYTHONPATH"] = os.pathsep.join([str(gpu_image(work)), env["PYTHONPATH"]])
         env["CUDA_VISIBLE_DEVICES"] = ""
-    meta = {"stage": args.stage, "rehearse": args.rehearse, "deadline_s": args.deadline, **pack.environment()}
+        env["TRITON_INTERPRET"] = "1"  # the Triton kernels run, as Python, where the GPU would run them compiled
+    stage = f"lease {args.lease}" if args.lease else args.stage
+    meta = {"stage": stage, "rehearse": args.rehearse, "deadline_s": deadline, **pack.environment()}
     meta |= {"planned_s": planned_s(steps), "graphs": sum(step.graphs for step in steps)}
 
     def write_back() -> None:
         elapsed = {"elapsed_s": round(time.monotonic() - started, 1), "extra": extra_lines(steps, work)}
         pack.write(out, work, steps, meta | elapsed)
 
-    runner = Runner(steps, work / "logs", started + args.deadline - RESERVE_S, env, on_change=write_back)
+    runner = Runner(steps, work / "logs", started + deadline - RESERVE_S, env, on_change=write_back)
     try:
         runner.run()
     except SessionStoppedError as stop:
