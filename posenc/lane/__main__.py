@@ -57,8 +57,9 @@ def run_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.only != "flex":
         from posenc.lane.table import compile_kernel, units
 
-        for kernel, dtype, head_dim in units(dtypes, head_dims)[index::count]:
-            rows.append({"kind": "table", **compile_kernel(kernel, dtype, head_dim, GPUS[gpu])})  # spills: a finding
+        for kernel, dtype, head_dim, length in units(dtypes, head_dims)[index::count]:
+            row = compile_kernel(kernel, dtype, head_dim, length, GPUS[gpu], registers=not args.no_registers)
+            rows.append({"kind": "table", **row})  # spills: a finding
             print(json.dumps(rows[-1]), flush=True)
     if args.only == "table":
         return rows
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     names = schemes()
     table_rows = [row for row in rows if row.get("kind") == "table"]
     table_rows.sort(key=lambda row: (list(GPUS).index(row["gpu"]), table.units().index(
-        (row["kernel"], row["dtype"], row["head_dim"]))))  # fmt: skip
+        (row["kernel"], row["dtype"], row["head_dim"], row["length"]))))  # fmt: skip
     rows = sorted((row for row in rows if row.get("kind") != "table"), key=lambda row: row_order(row, names))
     if args.json:
         for row in rows + table_rows:

@@ -1,0 +1,187 @@
+"""How the ``triton`` backend launches its table kernels: tiles per GPU class, grids and arguments.
+
+One place for it, read by the backend (``triton_table``) and by the kernel lane (``posenc.lane.table``), so that
+the lane compiles exactly what a launch compiles: Triton specialises a kernel on its arguments (pointers aligned to
+16 bytes, integers divisible by 16 or equal to 1, a Python float typed fp32), and that changes the code, its shared
+memory and its registers. Importing this needs no triton.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+BLOCK_M = 64  # queries per tile off a GPU (Triton's interpreter, the CPU tests, which shrink it)
+BLOCK_N = 64  # keys per tile off a GPU
+KERNELS = ("forward", "backward_dq", "backward_dq_deterministic", "backward_dkdv")
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU class (compute capability), kernel, and (16-bit or fp32,
+# BLOCK_D ≤ 64 or 128): the smallest shared memory is the L4's / RTX 4090's (sm_89, 99 KiB a block), then the A100's
+# (sm_80, 163 KiB), the H100's (sm_90, 227 KiB). For each, the largest tiles of a few candidates that the kernel lane
+# compiled for that GPU with no register spill and within its shared memory (``python -m posenc.lane --only table``;
+# docs/gpu-kernels.md): the dq kernel, which also skews each tile to reduce the table's gradient, spilled 144–712
+# bytes with the forward's tiles. How fast each is, a GPU has yet to time. The deterministic dq kernel needs square
+# tiles.
+Tiles = tuple[int, int, int, int]
+# Keyed (fp32, BLOCK_D): (False, 64) is bf16/fp16 at head dims up to 64, (False, 128) up to 128, (True, 64) fp32.
+TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
+    (8, 0): {  # A100
+        "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
+        "backward_dq": {(False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 4, 2), (True, 64): (64, 32, 8, 2)},
+        "backward_dq_deterministic": {
+            (False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
+        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
+    },
+    (8, 9): {  # L4, RTX 4090
+        "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 3), (True, 64): (64, 32, 8, 2)},
+        "backward_dq": {(False, 64): (64, 32, 4, 2), (False, 128): (32, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
+        "backward_dq_deterministic": {
+            (False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
+        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 2), (True, 64): (32, 32, 4, 1)},
+    },
+    (9, 0): {  # H100, H200
+        "forward": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (64, 32, 8, 2)},
+        "backward_dq": {(False, 64): (64, 64, 8, 3), (False, 128): (32, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
+        "backward_dq_deterministic": {
+            (False, 64): (64, 64, 8, 3), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
+        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
+    },
+}  # fmt: skip
+SMALLEST_SHARED_MEMORY = (8, 9)
+
+
+def launch_config(
+    dtype: torch.dtype, head_dim: int, kernel: str, capability: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """Tiles, precision, warps and stages of one kernel's launch for one (dtype, head dim) on a GPU class.
+
+    The one source of these numbers: the kernels launch with them, and the kernel lane compiles each kernel for each
+    GPU with them (``posenc.lane.table``). ``capability`` ``None`` (no GPU: the interpreter) takes ``BLOCK_M`` ×
+    ``BLOCK_N``; a GPU class the lane has not compiled for takes the L4's tiles, which fit the least shared memory
+    of the three (an RTX 3090 or 5090 has as little).
+    """
+    block_d = _next_power_of_2(head_dim)
+    wide = 128 if block_d > 64 else 64
+    fp32 = dtype == torch.float32
+    if capability is None:
+        block_m, block_n, warps, stages = BLOCK_M, BLOCK_N, 4, 3
+    else:
+        block_m, block_n, warps, stages = TILES.get(capability, TILES[SMALLEST_SHARED_MEMORY])[kernel][fp32, wide]
+    if kernel == "backward_dq_deterministic":
+        block_n = block_m  # the halves of a tile's diagonal sums meet at block boundaries: square tiles
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_D": block_d,
+        # fp32 inputs keep fp32 products (eager's precision) rather than TF32; bf16/fp16 ignore the setting.
+        "PRECISION": "ieee" if fp32 else "tf32",
+        **({"WIDTH": _next_power_of_2(block_m + block_n - 1)} if kernel.startswith("backward_dq") else {}),
+        "num_warps": warps,
+        "num_stages": stages,
+    }
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _cdiv(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _strides(t: Tensor) -> tuple[int, int, int]:
+    """(batch, head, position) strides of a (B, H, L, D) tensor whose last dimension is contiguous."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the backend makes it: which kernel, its grid, its arguments and its constexprs.
+
+    Built in one place (``forward_launch``, ``backward_launches``) for both the launch and the kernel lane, so that
+    the lane compiles what a launch compiles: Triton specialises a kernel on its arguments (pointers aligned to 16
+    bytes, integers divisible by 16 or equal to 1, a Python float typed fp32), and that changes the code, the
+    shared memory and the registers it needs.
+    """
+
+    kernel: str  # one of KERNELS
+    grid: tuple[int, int]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]  # the kernel's constexprs with num_warps and num_stages
+
+    def run(self, module: ModuleType) -> None:
+        """Launch it from ``module`` (the compiled kernels, or the interpreter's)."""
+        getattr(module, KERNEL_FUNCTIONS[self.kernel])[self.grid](*self.args, **self.constexprs)
+
+
+KERNEL_FUNCTIONS = {
+    "forward": "forward_kernel",
+    "backward_dq": "backward_dq_kernel",
+    "backward_dq_deterministic": "backward_dq_kernel",
+    "backward_dkdv": "backward_dkdv_kernel",
+}
+
+
+def forward_launch(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, table: Tensor | None, capability: tuple[int, int] | None
+) -> Launch:
+    """The forward's launch: a program per (query block, batch × head); ``table`` fp32 (H, L) or None."""
+    batch, heads, length, head_dim = q.shape
+    config = launch_config(q.dtype, head_dim, "forward", capability)
+    table_arg = table if table is not None else lse  # lse: a pointer never read
+    args = (
+        q, k, v, out, lse, table_arg,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), table_arg.stride(0),
+        heads, length, head_dim, 1.0 / math.sqrt(head_dim),
+    )  # fmt: skip
+    return Launch(
+        "forward", (_cdiv(length, config["BLOCK_M"]), batch * heads), args, {"HAS_BIAS": table is not None, **config}
+    )
+
+
+def backward_launches(
+    tensors: dict[str, Tensor], table: Tensor | None, bias_grad: bool, deterministic: bool,
+    capability: tuple[int, int] | None,
+) -> tuple[Launch, Launch]:  # fmt: skip
+    """The dq kernel's launch (a program per query block) and the dk, dv kernel's (a program per key block).
+
+    ``tensors`` holds q, k, v, dout, lse, delta, dq, dk, dv and dtable (the table gradient's buffer, any tensor
+    when ``bias_grad`` is off); ``table`` is fp32 (H, L) or None.
+    """
+    t = tensors
+    batch, heads, length, head_dim = t["q"].shape
+    table_arg = table if table is not None else t["lse"]  # lse: a pointer never read
+    shared = (*_strides(t["q"]), *_strides(t["k"]), *_strides(t["v"]), *_strides(t["dout"]), table_arg.stride(0))
+    sizes = (heads, length, head_dim, 1.0 / math.sqrt(head_dim))
+    kernel = "backward_dq_deterministic" if deterministic else "backward_dq"
+    config = launch_config(t["q"].dtype, head_dim, kernel, capability)
+    dq = Launch(
+        kernel,
+        (_cdiv(length, config["BLOCK_M"]), batch * heads),
+        (t["q"], t["k"], t["v"], t["dout"], t["lse"], t["delta"], t["dq"], table_arg, t["dtable"], *shared, *sizes),
+        {"HAS_BIAS": table is not None, "BIAS_GRAD": bias_grad, "DETERMINISTIC": deterministic, **config},
+    )
+    config = launch_config(t["q"].dtype, head_dim, "backward_dkdv", capability)
+    dkdv = Launch(
+        "backward_dkdv",
+        (_cdiv(length, config["BLOCK_N"]), batch * heads),
+        (t["q"], t["k"], t["v"], t["dout"], t["lse"], t["delta"], t["dk"], t["dv"], table_arg, *shared, *sizes),
+        {"HAS_BIAS": table is not None, **config},
+    )
+    return dq, dkdv
+
+
+def table_gradient_buffer(
+    q: Tensor, deterministic: bool, bias_grad: bool, capability: tuple[int, int] | None
+) -> Tensor:
+    """Where the dq kernel adds the table's gradient: (H, L), or per query block when deterministic, or nothing."""
+    batch, heads, length, head_dim = q.shape
+    if deterministic:  # one row per (batch, head, query block), every block of distances it reaches written once
+        config = launch_config(q.dtype, head_dim, "backward_dq_deterministic", capability)
+        blocks = _cdiv(length, config["BLOCK_M"])
+        return torch.zeros(batch * heads, blocks, blocks * config["BLOCK_N"], device=q.device, dtype=torch.float32)
+    return torch.zeros(heads, length if bias_grad else 0, device=q.device, dtype=torch.float32)
