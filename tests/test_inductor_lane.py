@@ -126,15 +126,21 @@ def lane_rows(all_rows: list[dict]) -> list[dict]:
 @pytest.mark.lane
 @needs_pinned
 def test_the_table_kernels_compile_fit_and_never_spill_on_every_gpu(all_rows: list[dict]) -> None:
-    # One compile per (GPU, kernel, dtype, head dim) covers every distance-only bias: the kernels read its table.
+    # One compile per (GPU, kernel, dtype, head dim, length class) covers every distance-only bias: the kernels read
+    # its table. Each compiled as its launch compiles it, specialised on the launch's arguments.
     rows = [row for row in all_rows if row.get("kind") == "table"]
-    assert {(row["gpu"], row["kernel"], row["dtype"], row["head_dim"]) for row in rows} == {
+    assert {(row["gpu"], row["kernel"], row["dtype"], row["head_dim"], row["length"]) for row in rows} == {
         (gpu, *unit) for gpu in GPUS for unit in table.units()
     }
     assert table.failures(rows) == []
     compiled = [row for row in rows if "refused" not in row]
     assert compiled and all(row["spills"] == 0 and row["registers"] for row in compiled)
     assert {row["dtype"] for row in compiled} == set(table.DTYPES)  # fp32 at head dim 128 alone is refused
+    # Triton's launcher types a Python float fp32 and specialises aligned pointers and sizes divisible by 16: a
+    # kernel compiled from a bare signature (fp64 scale, nothing divisible) needed less shared memory than a launch.
+    for row in compiled:
+        assert row["scale_type"] == "fp32" and {"Q", "K", "V", "Lse", "Table"} <= set(row["divisible"]), row
+        assert ("length" in row["divisible"]) == (row["length"] % 16 == 0), row
 
 
 @pytest.mark.lane

@@ -21,34 +21,36 @@ BLOCK_N = 64  # keys per tile off a GPU
 KERNELS = ("forward", "backward_dq", "backward_dq_deterministic", "backward_dkdv")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU class (compute capability), kernel, and (16-bit or fp32,
 # BLOCK_D ≤ 64 or 128): the smallest shared memory is the L4's / RTX 4090's (sm_89, 99 KiB a block), then the A100's
-# (sm_80, 163 KiB), the H100's (sm_90, 227 KiB). For each, the largest tiles of a few candidates that the kernel lane
-# compiled for that GPU with no register spill and within its shared memory (``python -m posenc.lane --only table``;
-# docs/gpu-kernels.md): the dq kernel, which also skews each tile to reduce the table's gradient, spilled 144–712
-# bytes with the forward's tiles. How fast each is, a GPU has yet to time. The deterministic dq kernel needs square
-# tiles.
+# (sm_80, 163 KiB), the H100's (sm_90, 227 KiB). Each is a configuration that the kernel lane compiled as a launch
+# compiles it (specialised on its arguments, at a length divisible by 16 and at one that is not) within the device's
+# shared memory and with no register spill (``python -m posenc.lane --only table``; docs/gpu-kernels.md). Where the
+# earlier tiles failed that (they had been chosen from kernels compiled without the launch's specialisation, which
+# asked up to 1.8 times less shared memory and hid spills), the nearest that passed: the same tiles with other
+# warps or stages, else a halved key tile, taking one below the 255-register ceiling where there was a choice. How
+# fast each is, a GPU has yet to time. The deterministic dq kernel needs square tiles.
 Tiles = tuple[int, int, int, int]
 # Keyed (fp32, BLOCK_D): (False, 64) is bf16/fp16 at head dims up to 64, (False, 128) up to 128, (True, 64) fp32.
 TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
     (8, 0): {  # A100
-        "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
-        "backward_dq": {(False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 4, 2), (True, 64): (64, 32, 8, 2)},
+        "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 2), (True, 64): (64, 32, 8, 3)},
+        "backward_dq": {(False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 4, 2), (True, 64): (64, 32, 8, 3)},
         "backward_dq_deterministic": {
             (False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
-        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
+        "backward_dkdv": {(False, 64): (64, 32, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
     },
     (8, 9): {  # L4, RTX 4090
-        "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 3), (True, 64): (64, 32, 8, 2)},
+        "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 2), (True, 64): (64, 32, 8, 3)},
         "backward_dq": {(False, 64): (64, 32, 4, 2), (False, 128): (32, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
         "backward_dq_deterministic": {
             (False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
-        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 2), (True, 64): (32, 32, 4, 1)},
+        "backward_dkdv": {(False, 64): (64, 32, 4, 3), (False, 128): (64, 64, 8, 2), (True, 64): (32, 32, 4, 1)},
     },
     (9, 0): {  # H100, H200
-        "forward": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (64, 32, 8, 2)},
+        "forward": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (64, 32, 8, 3)},
         "backward_dq": {(False, 64): (64, 64, 8, 3), (False, 128): (32, 64, 8, 2), (True, 64): (64, 32, 8, 2)},
         "backward_dq_deterministic": {
-            (False, 64): (64, 64, 8, 3), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
-        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
+            (False, 64): (64, 64, 8, 3), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 3)},
+        "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 32, 8, 3), (True, 64): (32, 16, 8, 3)},
     },
 }  # fmt: skip
 SMALLEST_SHARED_MEMORY = (8, 9)

@@ -37,6 +37,7 @@ HEAD_DIMS = (64, 128)
 # Triton specialises a launch on its integers (divisible by 16, or 1): a length that is a multiple of 16 and one
 # that is not compile to different code. Twelve heads: the bias decomposition's, neither 1 nor a multiple of 16.
 LENGTHS = (2048, 2047)
+DIVISIBLE = ["tt.divisibility", 16]  # how Triton marks an argument it specialised as divisible by 16
 HEADS = 12
 
 
@@ -95,8 +96,14 @@ def compile_kernel(
     except Exception as error:  # a kernel that does not compile is the finding
         return {**row, "error": (str(error).strip().splitlines() or [type(error).__name__])[0][:300]}
     used, spills = ptxas_report(compiled.asm["ptx"], gpu.arch) if registers else (None, None)
+    names = function.arg_names
     return {
         **row,
+        # What Triton specialised on: the arguments it compiled as divisible by 16, and the type it gave ``scale``.
+        "divisible": sorted(
+            names[path[0]] for path, attrs in compiled.src.attrs.items() if ["tt.divisibility", 16] in attrs
+        ),
+        "scale_type": compiled.src.signature["scale"],
         "block_m": planned.constexprs["BLOCK_M"],
         "block_n": planned.constexprs["BLOCK_N"],
         "num_warps": compiled.metadata.num_warps,
