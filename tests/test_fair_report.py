@@ -90,7 +90,7 @@ def test_recall_is_compared_only_over_the_seeds_that_learned_it() -> None:
     assert [r["seed"] for r in kept["rope"]] == [0]  # kept, but noted as too few: recall_test compares two or more
     windows = {"mqar_windows": [{"length": 64, "answers_per_window": 4, "right": [4, 3, 2, 4]}]}
     one, two = [({"seed": 0, **windows}, {"seed": 0, **windows})], [({"seed": s, **windows},) * 2 for s in (0, 1)]
-    assert recall_test(one, 64) is None and recall_test(two, 64)["n"] == 2  # one seed: no seed variance to give
+    assert recall_test(one, 64) is None and recall_test(two, 64).seeds == 2  # one seed: no seed variance to give
     assert notes == [
         "t5 learned (2 of 3 seeds)",
         "rope learned (1 of 2 seeds, too few to compare)",

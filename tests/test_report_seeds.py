@@ -71,35 +71,63 @@ def _paired_p(a: list[float], b: list[float]) -> float:
     return 1 - abs(t) / math.sqrt(t * t + 2)
 
 
-def test_cells_show_the_student_t_interval_and_marks_come_from_paired_holm_tests(tmp_path: Path) -> None:
+T_975_2 = 4.302653  # Student's t, 2 degrees of freedom
+
+
+def _seeds_only(values: list[float], digits: int = 2) -> str:
+    """A cell over seeds alone, by hand: exp of the mean log and of its t interval over 3 seeds, marked ᵗ."""
+    logs = [math.log(v) for v in values]
+    mean = sum(logs) / 3
+    half = T_975_2 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2 / 3)
+    return f"{math.exp(mean):.{digits}f} [{math.exp(mean - half):.{digits}f}, {math.exp(mean + half):.{digits}f}]ᵗ"
+
+
+def test_cells_without_documents_are_over_seeds_said_so_and_marks_are_words_from_holm_tests(tmp_path: Path) -> None:
+    # These runs did not record their loss per document: only the seeds vary, and every cell says so (ᵗ).
     markdown = build_report(find_results([_sweep(tmp_path / "runs")]), tmp_path / "out", make_plots=False)
-    assert "95% Student-t interval" in markdown and "paired t-test over the seeds both share" in markdown
-    assert "Holm's method" in markdown
+    assert "over seeds only, where runs did not record their loss per document" in markdown
+    assert "Holm-adjusted over the row" in markdown and "not separated is not equal" in markdown
     # at 32: alibi (10, 11, 12) is best; nope (10, 12, 14) and rope (11, 12, 13) overlap it, but rope is above it
-    # on every seed by a steady margin, which pairing sees: p 0.0025 → Holm 0.0051, separated; nope p 0.213, not
+    # on every seed by a steady margin, which pairing sees: p 0.0025 → Holm 0.0051, separated; nope p 0.213, and
+    # nowhere near within ±1%: inconclusive, not "equal"
     p_rope, p_nope = _paired_p([11, 12, 13], [10, 11, 12]), _paired_p([10, 12, 14], [10, 11, 12])
     assert (round(p_rope, 4), round(p_nope, 3)) == (0.0025, 0.213) and 2 * p_rope < 0.05 < p_nope
     alibi, nope, rope = _row(markdown, 32)
-    assert alibi == f"11.00 ± {4.3027 / math.sqrt(3):.2f} ◆" == "11.00 ± 2.48 ◆"
-    assert nope == "12.00 ± 4.97 ≈" and rope == "12.00 ± 2.48"
+    assert alibi == _seeds_only([10, 11, 12]) + " ◆" == "10.97 [8.75, 13.76]ᵗ ◆"
+    assert nope == _seeds_only([10, 12, 14]) + " ?" and rope == _seeds_only([11, 12, 13]) + " ✓"
     # at 64 both are separated: nope p 0.0012 (Holm 0.0023), rope p 0.0238 (Holm max(0.0023, 0.0238))
     assert _paired_p([22, 24, 26], [20, 21, 22]) == pytest.approx(0.0238, abs=1e-4)
     alibi, nope, rope = _row(markdown, 64)
-    assert (alibi, nope, rope) == ("21.00 ± 2.48 ◆", "44.00 ± 9.94", "24.00 ± 4.97")
-    assert _row(markdown, 32, which=1) == ["1.000 ± 0.000"] * 3  # ratios at 1× are 1 by construction: no marks
-    # ratios at 2×: alibi 2, 1.909, 1.833 (best); rope 2, 2, 2 is not separated on log-ratio (p 0.218), nope is
+    assert (alibi, nope, rope) == (_seeds_only([20, 21, 22]) + " ◆", _seeds_only([40, 44, 48]) + " ✓",
+                                   _seeds_only([22, 24, 26]) + " ✓")  # fmt: skip
+    assert _row(markdown, 32, which=1) == ["1"] * 3  # ratios at 1× are 1 by construction: no test
+    # ratios at 2×, each against 1: rope's is 2 on every seed (no spread: separated, p 0); all far from ±1% of 1
     alibi, nope, rope = _row(markdown, 64, which=1)
-    assert alibi == "1.914 ± 0.207 ◆" and nope == "3.698 ± 0.713" and rope == "2.000 ± 0.000 ≈"
+    assert alibi == _seeds_only([2, 21 / 11, 22 / 12], 3) + " ✓" and rope == "2.000 [2.000, 2.000]ᵗ ✓"
+    assert nope.endswith(" ✓") and "flat" in markdown
 
 
 def test_a_column_without_two_seeds_shared_with_the_best_is_not_tested(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     _sweep(root, ("alibi",))
-    _run(root, "rope", 0, (11.0, 20.5), 800.0)  # one seed, mean below alibi's: the best, but nothing to pair
+    _run(root, "rope", 0, (11.0, 20.5), 800.0)  # one seed, below alibi's: the best, but nothing to pair
     markdown = build_report(find_results([root]), tmp_path / "out", make_plots=False)
     alibi, rope = _row(markdown, 64)
-    assert rope == "20.50 ◆" and alibi == "21.00 ± 2.48 ?"
-    assert "one seed gives no interval" in markdown and "fewer than 2 seeds shared with the best column" in markdown
+    assert rope == "20.50ᵗ ◆" and alibi == _seeds_only([20, 21, 22])  # one shared seed, no documents: no word
+    assert "no mark: not tested" in markdown
+
+
+def test_two_runs_of_one_seed_count_once_the_newest_kept_and_said(tmp_path: Path) -> None:
+    root = _sweep(tmp_path / "runs", ("alibi",))
+    again = _run(root / "again", "alibi", 0, (13.0, 26.0), 900.0)  # seed 0 run a second time, later
+    (again / "done.json").write_text(json.dumps({"finished_at": "2026-11-28T12:00:00+0000"}))
+    (root / "alibi_0" / "done.json").write_text(json.dumps({"finished_at": "2026-11-27T12:00:00+0000"}))
+    markdown = build_report(find_results([root]), tmp_path / "out", make_plots=False)
+    assert "## Seeds counted once (1 seed(s) run more than once)" in markdown
+    assert f"alibi seed 0 (eval): 2 runs, counted once: kept {again}, left out {root / 'alibi_0'}" in markdown
+    assert "(n=3" in markdown and "(n=4" not in markdown
+    (alibi,) = _row(markdown, 32)
+    assert alibi == _seeds_only([13, 11, 12]) + " ◆"  # the newest run of seed 0, once
 
 
 def test_effective_length_tables_name_their_rule_and_count_every_seed(tmp_path: Path) -> None:
@@ -165,15 +193,17 @@ def test_paired_comparison_matches_seeds_on_log_perplexity(tmp_path: Path) -> No
     lines = paired_section(find_results([_sweep(tmp_path / "runs")]), "alibi", "rope")
     row = next(line for line in lines if line.startswith("| 64 | "))
     # log(alibi / rope) per seed: log(20/22), log(21/24), log(22/26); the ratio is exp of their mean, its interval
-    # exp(mean ± t_{0.975,2} · s / √3)
+    # exp(mean ± t_{0.975,2} · s / √3), over seeds only (no documents recorded); it detects (t.975 + t.8) · s / √3
     d = [math.log(20 / 22), math.log(21 / 24), math.log(22 / 26)]
     mean = sum(d) / 3
-    half = 4.302653 * math.sqrt(sum((x - mean) ** 2 for x in d) / 2 / 3)
-    low, high = math.exp(mean - half), math.exp(mean + half)
+    error = math.sqrt(sum((x - mean) ** 2 for x in d) / 2 / 3)
+    low, high = math.exp(mean - T_975_2 * error), math.exp(mean + T_975_2 * error)
+    detects = math.expm1((T_975_2 + 1.060660) * error)  # t_{0.8, 2} = 1.0607
     expected = (
-        f"| 64 | 2 | {math.exp(mean):.4f} | [{low:.4f}, {high:.4f}] | {_paired_p([20, 21, 22], [22, 24, 26]):.3g} |"
+        f"| 64 | 2 | {math.exp(mean):.4f} [{low:.4f}, {high:.4f}]ᵗ | {_paired_p([20, 21, 22], [22, 24, 26]):.3g} "
+        f"| separated | ±{detects:.1%} |"
     )
-    assert row == expected == "| 64 | 2 | 0.8764 | [0.8016, 0.9581] | 0.0238 |"
+    assert row == expected == "| 64 | 2 | 0.8764 [0.8016, 0.9581]ᵗ | 0.0238 | separated | ±11.8% |"
 
 
 def test_paired_comparison_refuses_mismatched_seeds_in_one_line(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ both the figure and any interval around it speak for those files. ``sample="docu
 of **every** document instead, each piece at most ``cap`` tokens, ``cap`` the smallest that fills the budget (long
 documents give ``cap`` tokens, short ones all of theirs), at an offset drawn from ``seed``; the pieces keep their
 documents' order and each ends with the end-of-document token. Every scored token is tagged with its document, so
-that a report can bootstrap over documents (``posenc.evaluate.stats.document_bootstrap``).
+that a report can cross seeds with documents (``posenc/evaluate/crossed.py``).
 
 Pieces are contiguous, so a window inside one sees real context; a window longer than a piece spans the pieces of
 several documents, as a window of the whole stream spans several short files.

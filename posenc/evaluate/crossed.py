@@ -122,8 +122,11 @@ def _components(y: np.ndarray) -> Estimate:
     squares = {name: sums[name] / free[name] for name in sums}
     residual_sum, residual_free, pooled = sums["interaction"], free["interaction"], []
     for name in ("seed", "document"):
-        if squares["interaction"] == 0 or stats.f.sf(squares[name] / squares["interaction"], free[name],
-                                                    free["interaction"]) >= POOL_LEVEL:  # fmt: skip
+        if squares["interaction"] == 0:  # no interaction at all: an effect is kept exactly when it varies
+            pool = squares[name] == 0
+        else:
+            pool = stats.f.sf(squares[name] / squares["interaction"], free[name], free["interaction"]) >= POOL_LEVEL
+        if pool:
             residual_sum, residual_free = residual_sum + sums[name], residual_free + free[name]
             pooled.append(name)
     residual = residual_sum / residual_free

@@ -13,15 +13,18 @@ import itertools
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from scipy import stats
 
+from posenc.evaluate.crossed import ALPHA, Estimate
+from posenc.evaluate.stats import holm
+from posenc.report import claims
 from posenc.report.perplexity import group_runs, protocol, value
 
 DRAWS = 2000  # bootstrap draws of each scheme's seeds
-ALPHA = 0.05  # a swapped pair's order is separated at a budget below this p (unadjusted: the list is descriptive)
 MIN_SEEDS = 2  # shared seeds a paired test needs
 
 
@@ -85,8 +88,13 @@ def budget_tables(results: list[dict[str, Any]]) -> list[str]:
             ]
             out.append(f"| {scheme} | {n} | " + " | ".join(cells) + " |")
         out.append("")
-        for kind in kinds:
-            out += _agreement(kind, per_seed[kind], budgets[0], budgets[-1])
+        for kind, (at, field) in kinds.items():
+            base = None if field == "ppl" else train_len
+
+            def test(a: str, b: str, steps: int, at: int = at, base: int | None = base, grid: dict = grid) -> Any:
+                return claims.log_ratio_between(grid[a][steps], grid[b][steps], at, base)
+
+            out += _agreement(kind, per_seed[kind], budgets[0], budgets[-1], test)
     return out
 
 
@@ -96,27 +104,20 @@ def _by_seed(runs: list[dict[str, Any]], length: int, field: str) -> dict[Any, f
     return {seed: v for seed, v in found.items() if v is not None and math.isfinite(v) and v > 0}
 
 
-def _separated(a: dict[Any, float], b: dict[Any, float]) -> bool | None:
-    """Whether two schemes' figures differ by the paired t-test on logs over shared seeds (p < 0.05, unadjusted).
-
-    ``None`` with fewer than ``MIN_SEEDS`` shared seeds: too few to say either way.
-    """
-    shared = sorted(set(a) & set(b), key=str)
-    if len(shared) < MIN_SEEDS:
-        return None
-    diffs = [math.log(a[s]) - math.log(b[s]) for s in shared]
-    if max(diffs) == min(diffs):  # no spread: separated exactly when they differ
-        return diffs[0] != 0
-    return bool(stats.ttest_1samp(diffs, 0.0).pvalue < ALPHA)
-
-
-def _agreement(kind: str, per_seed: dict[str, dict[int, dict[Any, float]]], first: int, last: int) -> list[str]:
+def _agreement(
+    kind: str,
+    per_seed: dict[str, dict[int, dict[Any, float]]],
+    first: int,
+    last: int,
+    test: Callable[[str, str, int], Estimate | None],
+) -> list[str]:
     """Kendall's τ between two budgets' rankings, how far the seeds let it move, and the pairs that swapped.
 
     Why: a τ computed on means treats a swap of two schemes a hair apart like one of two schemes far apart. Each
-    pair whose order differs is tested at each budget as the report's other comparisons are (the paired t-test on
-    log-figures over the seeds both share, p < 0.05, here unadjusted and descriptive): a swap separated at both
-    budgets is the budget changing the verdict; one separated at neither may be the seeds' spread. τ's interval comes
+    pair whose order differs is tested at each budget as the report's other comparisons are (``test``: the crossed
+    estimator over the seeds both share and the scored documents; the tests of a kind's swaps one Holm family): a
+    swap separated at both budgets is the budget changing the verdict; one separated at neither may be the seeds' and
+    documents' spread (not separated is not equal). τ's interval comes
     from drawing each scheme's seeds again at each budget (2,000 draws), only where every scheme has at least 3
     seeds at both: fewer make a bootstrap's spread meaningless.
     """
@@ -148,18 +149,21 @@ def _agreement(kind: str, per_seed: dict[str, dict[int, dict[Any, float]]], firs
     else:
         spread = f"no interval: a scheme has {fewest} seed{'s' if fewest != 1 else ''} at a budget, fewer than 3"
     line = f"- {kind}: Kendall's τ between {first} and {last} steps = {tau:.2f} ({len(shared)} schemes; {spread})."
+    swaps = [
+        (i, j)
+        for i, j in itertools.combinations(range(len(shared)), 2)
+        if (means[first][i] < means[first][j]) != (means[last][i] < means[last][j])
+    ]
+    estimates = {(i, j, steps): test(shared[i], shared[j], steps) for i, j in swaps for steps in (first, last)}
+    tested = {key: e for key, e in estimates.items() if e is not None and e.seeds >= MIN_SEEDS and math.isfinite(e.se)}
+    adjusted = holm({repr(key): e.p_value for key, e in tested.items()})
     swapped = []
-    for i, j in itertools.combinations(range(len(shared)), 2):
-        if (means[first][i] < means[first][j]) == (means[last][i] < means[last][j]):
-            continue
-        verdicts = {
-            steps: _separated(per_seed[shared[i]][steps], per_seed[shared[j]][steps]) for steps in (first, last)
-        }
-        if None in verdicts.values():
-            untested = ", ".join(str(steps) for steps, verdict in verdicts.items() if verdict is None)
-            how = f"too few shared seeds to test at {untested} steps"
+    for i, j in swaps:
+        untested = [steps for steps in (first, last) if (i, j, steps) not in tested]
+        if untested:
+            how = f"too few shared seeds to test at {', '.join(map(str, untested))} steps"
         else:
-            at = [steps for steps, verdict in verdicts.items() if verdict]
+            at = [steps for steps in (first, last) if adjusted[repr((i, j, steps))] < ALPHA]
             how = {0: "separated at neither budget", 2: "separated at both budgets"}.get(len(at), "")
             how = how or f"separated at {at[0]} steps only"
         swapped.append(f"{shared[i]} and {shared[j]} ({how})")

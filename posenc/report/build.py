@@ -18,7 +18,7 @@ from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.jsonio import write_text
 from posenc.report.attention import attention_tables
 from posenc.report.budgets import budget_tables
-from posenc.report.collect import finished
+from posenc.report.collect import distinct_seeds, finished
 from posenc.report.common import Appendix, run_dir
 from posenc.report.cost import cost_plots_of, cost_section
 from posenc.report.drift import drift_curve_plots, drift_tables, learned_bias_plots
@@ -115,6 +115,7 @@ def build_report(
     unfinished = [r for r in results if not finished(r)]
     if not include_unfinished:
         results = [r for r in results if finished(r)]
+    results, repeated = distinct_seeds(results)
     out_dir.mkdir(parents=True, exist_ok=True)
     counted = f"{len(results)} evaluated run(s)" + (" (unfinished ones included)" if include_unfinished else "")
     sections = ["# posenc extrapolation report", "", counted + "."]
@@ -126,6 +127,9 @@ def build_report(
         sections += [
             f"- {run['run_name']}: {run['failed']} ({Path(run.get('_source', 'W&B')).parent})" for run in failed
         ]
+    if repeated:
+        sections += ["", f"## Seeds counted once ({len(repeated)} seed(s) run more than once)", ""]
+        sections += [f"- {note}" for note in repeated]
     if unfinished:
         where = "in columns of their own" if include_unfinished else "not counted; --include-unfinished counts them"
         sections += ["", f"## Unfinished runs ({len(unfinished)}, {where})", ""]

@@ -10,6 +10,7 @@ from typing import Any
 from posenc.evaluate import RESULTS_FILE
 from posenc.jsonio import KEPT, read_record, record_path
 from posenc.runs import CHECKPOINT, DONE_FILE, FAILED_FILE, RUN_FILE
+from posenc.training.identity import identity, shown_label
 
 
 def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = None) -> list[dict[str, Any]]:
@@ -144,3 +145,46 @@ def results_from_wandb(path: str, group: str | None) -> list[dict[str, Any]]:
                 }
             )
     return results
+
+
+def distinct_seeds(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each seed of one configuration counted once: the newest run's result, and a line naming every one left out.
+
+    Why: two runs of one configuration and one seed (a command run twice) are one draw of the seed, not two; pooled,
+    they would count as two seeds and narrow every interval. Runs are the same when their shown label, their settings
+    (``identity``: everything but the seed), their seed, training length and evaluation folder agree. The newest is
+    the one whose ``done.json`` finished last (else whose run directory sorts last: its name holds its start time).
+    """
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        if result.get("seed") is None:
+            groups[str(id(result))] = [result]
+            continue
+        evaluation = Path(str(result.get("_source", ""))).parent.name or repr(result.get("eval"))
+        key = repr((shown_label(result), identity(result), result["seed"], result["train_len"], evaluation))
+        groups.setdefault(key, []).append(result)
+    kept, notes = [], []
+    for group in groups.values():
+        newest = max(group, key=_finished_at)
+        kept.append(newest)
+        if len(group) > 1:
+            older = ", ".join(_run_folder(r) for r in group if r is not newest)
+            notes.append(
+                f"{shown_label(newest)} seed {newest['seed']} ({Path(str(newest.get('_source', ''))).parent.name}): "
+                f"{len(group)} runs, counted once: kept {_run_folder(newest)}, left out {older}"
+            )
+    return kept, notes
+
+
+def _run_folder(result: dict[str, Any]) -> str:
+    folder = Path(str(result.get("_source", "W&B")))
+    return str(folder.parent.parent if folder.parent.name.startswith("eval") else folder.parent)
+
+
+def _finished_at(result: dict[str, Any]) -> tuple[str, str]:
+    run = Path(_run_folder(result))
+    try:
+        finished_at = str(read_record(run / DONE_FILE).get("finished_at") or "")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        finished_at = ""
+    return finished_at, str(run)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 import re
-import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posenc.evaluate.stats import ALPHA, Interval, holm, paired_comparison, t_interval
+from posenc.evaluate.stats import Interval, t_interval
 from posenc.training.identity import filled_in, identity
 
 Key = tuple[int, str, int | None]  # (train_len, mode, stride)
@@ -35,20 +34,6 @@ def mean_halfwidth(values: Sequence[float | None]) -> tuple[float, float, int]:
     return iv.mean, iv.half_width or 0.0, iv.n
 
 
-BEST, NOT_SEPARATED, UNTESTED = "◆", "≈", "?"
-MARKS_LEGEND = (
-    "Cells are the mean over seeds ± the half-width of its 95% Student-t interval (n seeds in the column header; "
-    "a column of one seed shows its mean alone: one seed gives no interval)."
-)
-PAIRED_LEGEND = (
-    f"Marks come from paired tests, not from overlapping intervals: {BEST} is the column with the best mean at a "
-    "length; every other column is compared with it by a paired t-test over the seeds both share, on "
-    "log-perplexity, and the p-values of a row are adjusted by Holm's method for the number of columns compared. "
-    f"{NOT_SEPARATED}: adjusted p ≥ 0.05, the seeds do not separate the column from the best; no mark: adjusted "
-    f"p < 0.05; {UNTESTED}: fewer than 2 seeds shared with the best column, no test."
-)
-
-
 def interval(values: Sequence[float | None]) -> Interval | None:
     """The Student-t interval over the finite values (one per seed), ``None`` when there is none."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
@@ -56,7 +41,7 @@ def interval(values: Sequence[float | None]) -> Interval | None:
 
 
 def interval_cells(by_label: Mapping[str, Sequence[float | None]], digits: int = 2) -> dict[str, str]:
-    """{column: ``mean ± half-width``} for one row, without marks (a quantity that is not better high or low).
+    """{column: ``mean ± half-width``} over seeds for one row, without marks: figures that vary by seed alone.
 
     A cell's own n is shown only where it differs from its column's (a length that failed for some seeds).
     """
@@ -69,41 +54,6 @@ def interval_cells(by_label: Mapping[str, Sequence[float | None]], digits: int =
         text = f"{iv.mean:.{digits}f}" + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}f}")
         out[label] = text + (f" (n={iv.n})" if iv.n != len(values) else "")
     return out
-
-
-def paired_marks(by_label: Mapping[str, Mapping[Any, float]], higher_is_better: bool = False) -> dict[str, str]:
-    """{column: mark} for one row from {column: {seed: value}} (see ``PAIRED_LEGEND``).
-
-    The best column has the best mean over its seeds; each other column is paired with it on the seeds both have
-    (``paired_comparison``) and the row's p-values are Holm-adjusted together.
-    """
-    finite = {
-        label: {seed: v for seed, v in values.items() if v is not None and math.isfinite(v)}
-        for label, values in by_label.items()
-    }
-    means = {label: statistics.fmean(values.values()) for label, values in finite.items() if values}
-    if not means:
-        return {}
-    best = (max if higher_is_better else min)(means, key=means.__getitem__)
-    p_values, marks = {}, {}
-    for label in means:
-        if means[label] == means[best]:
-            marks[label] = BEST
-            continue
-        shared = sorted(set(finite[label]) & set(finite[best]), key=str)
-        if len(shared) < 2:
-            marks[label] = UNTESTED
-            continue
-        a, b = [finite[label][seed] for seed in shared], [finite[best][seed] for seed in shared]
-        p_values[label] = paired_comparison(a, b).p_value
-    for label, p in holm(p_values).items():
-        marks[label] = NOT_SEPARATED if p >= ALPHA else ""
-    return marks
-
-
-def seeded(runs: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> dict[Any, float | None]:
-    """{seed: get(run)} over a column's runs (a run without a recorded seed keyed by its position)."""
-    return {run.get("seed", f"#{index}"): get(run) for index, run in enumerate(runs)}
 
 
 def order(labels: Iterable[str]) -> list[str]:

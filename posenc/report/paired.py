@@ -1,9 +1,10 @@
 """A paired comparison of two columns on request: the same seeds on both sides, matched by seed, per length.
 
-Two schemes trained on the same seeds (the same data order and initial draws) share the seed-to-seed variation;
-differencing per seed removes it, so the paired t interval is what a claim "a beats b" has to clear. The test is on
-log-perplexity (the loss), where a scheme's seeds spread evenly, and is shown as the ratio of perplexities it implies.
-Columns whose seeds do not match cannot be paired: the comparison is refused rather than pairing unlike runs.
+Two schemes trained on the same seeds (the same data order and initial draws) and scored on the same documents
+share the seed-to-seed and the document-to-document variation; differencing per seed and document removes what they
+share, and the crossed estimator (``claims``) carries what is left. The test is on log-perplexity (the loss), shown as
+the ratio of perplexities it implies, with its words against the runs' equivalence margin. Columns whose seeds do not
+match cannot be paired: the comparison is refused rather than pairing unlike runs.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from posenc.evaluate.stats import paired_comparison
-from posenc.report.perplexity import group_runs, protocol, value
+from posenc.evaluate.crossed import verdict
+from posenc.report import claims
+from posenc.report.perplexity import group_runs, protocol
 
 
 def paired_section(results: list[dict[str, Any]], a: str, b: str) -> list[str]:
@@ -36,29 +38,28 @@ def paired_section(results: list[dict[str, Any]], a: str, b: str) -> list[str]:
         seeds = sorted(seeds_a, key=str)
         lengths = sorted({row["length"] for run in by_label[a] + by_label[b] for row in run["perplexity"]})
         how = protocol(mode, stride)
+        equivalence, _ = claims.margin(by_label[a] + by_label[b])
         out += [
             "",
             f"## Paired: {a} / {b}, trained at L={train_len} — {how}",
             "",
             f"Log-perplexity of {a} minus that of {b}, seed by seed ({len(seeds)} seeds: "
-            f"{', '.join(map(str, seeds))}), "
-            "shown as the perplexity ratio it implies: exp of the mean difference, exp of its 95% Student-t interval, "
-            "and the two-sided p-value of the paired t-test (below 1: {a} lower).".replace("{a}", a),
+            f"{', '.join(map(str, seeds))}) and document by document, shown as the perplexity ratio it implies (below "
+            f"1: {a} lower), its 95% interval (seeds and documents crossed; ᵗ: seeds only), the two-sided p-value, the "
+            f"words of this one test (margin ±{equivalence:.0%}) and the smallest ratio it detects (80% power).",
             "",
-            "| length | ×L | perplexity ratio | 95% interval | p |",
-            "|---:|---:|---:|---:|---:|",
+            "| length | ×L | perplexity ratio [95% interval] | p | words | detects |",
+            "|---:|---:|---:|---:|---|---:|",
         ]
         for length in lengths:
-            pairs = [(value(seeds_a[s], length, "ppl"), value(seeds_b[s], length, "ppl")) for s in seeds]
-            kept = [(math.log(x), math.log(y)) for x, y in pairs if x and y and math.isfinite(x) and math.isfinite(y)]
-            if len(kept) < 2:
-                out.append(f"| {length} | {length / train_len:g} | — | fewer than 2 seeds evaluated on both | — |")
+            estimate = claims.log_ratio_between(by_label[a], by_label[b], length)
+            if estimate is None or not math.isfinite(estimate.se):
+                out.append(f"| {length} | {length / train_len:g} | fewer than 2 seeds evaluated on both | — | — | — |")
                 continue
-            c = paired_comparison([x for x, _ in kept], [y for _, y in kept])
-            low, high = math.exp(c.mean_difference - c.half_width), math.exp(c.mean_difference + c.half_width)
+            found = verdict(estimate.p_value, estimate.equivalence_p(math.log1p(equivalence)))
             out.append(
-                f"| {length} | {length / train_len:g} | {math.exp(c.mean_difference):.4f} | [{low:.4f}, {high:.4f}] "
-                f"| {c.p_value:.3g} |"
+                f"| {length} | {length / train_len:g} | {claims.shown(estimate, 4)} | {estimate.p_value:.3g} "
+                f"| {', '.join(found)} | ±{math.expm1(estimate.detectable()):.1%} |"
             )
     if not out:
         raise SystemExit(f"cannot pair {a!r} with {b!r}: no table has both columns (column labels as in report.md)")

@@ -1,8 +1,8 @@
 """The perplexity section: one table per (training length, protocol), rows are lengths, columns schemes.
 
 A protocol is how the held-out text is cut into windows: nonoverlapping windows, or sliding windows with a stride
-in tokens or a fraction of each evaluation length (``f0.5``: N/2). Each table names its protocol. Under every table
-of perplexities comes the data's share of the differences: a bootstrap over the scored documents.
+in tokens or a fraction of each evaluation length (``f0.5``: N/2). Each table names its protocol. Cells, intervals and
+the words beside them come from one crossed estimator over seeds and documents (``claims``).
 """
 
 from __future__ import annotations
@@ -11,21 +11,8 @@ import math
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
-
-from posenc.evaluate.stats import RESAMPLES, resampled_losses
-from posenc.report.common import (
-    MARKS_LEGEND,
-    PAIRED_LEGEND,
-    Appendix,
-    Columns,
-    Key,
-    interval_cells,
-    order,
-    paired_marks,
-    seeded,
-    table_head,
-)
+from posenc.report import claims
+from posenc.report.common import Appendix, Columns, Key, order, table_head
 from posenc.training.identity import columns
 
 
@@ -85,53 +72,103 @@ def value(run: dict[str, Any], length: int, field: str) -> float | None:
     return None
 
 
-def log_values(by_label: Columns, labels: list[str], length: int, field: str) -> dict[str, dict[Any, float | None]]:
-    """{column: {seed: log of ``field`` at ``length``}}: what the paired marks test (log-perplexity, log-ratio)."""
-
-    def log(run: dict[str, Any]) -> float | None:
-        x = value(run, length, field)
-        return None if x is None or not x > 0 or not math.isfinite(x) else math.log(x)
-
-    return {label: seeded(by_label[label], log) for label in labels}
-
-
 def perplexity_tables(key: Key, by_label: Columns, appendix: Appendix | None = None) -> str:
-    """Perplexity and its ratio to in-length perplexity by length, one column per pooled identity, marks paired."""
+    """Perplexity and its ratio to in-length perplexity by length, one column per pooled identity, with words.
+
+    Every cell and every word comes from the crossed estimator (``claims``): perplexity rows compare each column with
+    the best of the row (one Holm family a row); ratio rows test each column's ratio against 1 (one family a table).
+    """
     train_len, mode, stride = key
     labels = order(by_label)
     lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
     tokens = sorted({row["tokens"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
     title = f"Trained at L={train_len} — {protocol(mode, stride)}"
     head = table_head(by_label, labels, title=title, appendix=appendix)
+    equivalence, recorded = claims.margin([run for runs in by_label.values() for run in runs])
+    log_margin = math.log1p(equivalence)
     out = [
         f"## {title}",
         "",
         f"Perplexity on held-out text, {protocol(mode, stride)}; {', '.join(map(str, tokens))} tokens scored at every "
         f"length (the same tokens: {_sample(by_label)}), so lengths are comparable. Each column pools runs whose "
-        "settings differ only in their seed (n runs); runs that differ in anything else are separate columns named "
-        "by the difference. " + MARKS_LEGEND,
+        "settings differ only in their seed (n runs, each seed once); runs that differ in anything else are separate "
+        "columns named by the difference. " + legend(equivalence, recorded),
         "",
         *head,
     ]
-    ratio_rows = []
+    ratio_estimates = {
+        (label, length): claims.log_ratio(by_label[label], length, train_len)
+        for length in lengths
+        if length != train_len
+        for label in labels
+    }
+    flat = claims.words({f"{label}@{length}": e for (label, length), e in ratio_estimates.items()}, log_margin)
+    ratio_rows, detectable = [], []
     for length in lengths:
-        ppl = interval_cells({label: [value(run, length, "ppl") for run in by_label[label]] for label in labels})
-        marks = paired_marks(log_values(by_label, labels, length, "ppl"))
-        ratio = interval_cells({label: [value(run, length, "ratio") for run in by_label[label]] for label in labels}, 3)
-        ratio_marks = paired_marks(log_values(by_label, labels, length, "ratio")) if length != train_len else {}
-        cells = [f"{ppl[label]} {marks.get(label, '')}".rstrip() for label in labels]
-        ratios = [f"{ratio[label]} {ratio_marks.get(label, '')}".rstrip() for label in labels]
+        cells = _perplexity_cells(by_label, labels, length, log_margin, detectable)
         out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
+        ratios = [_ratio_cell(ratio_estimates, flat, label, length, train_len) for label in labels]
         ratio_rows.append(f"| {length} | {length / train_len:g} | " + " | ".join(ratios) + " |")
-    out += ["", PAIRED_LEGEND]
+    out += ["", f"{PERPLEXITY_WORDS} Smallest difference from the best these comparisons detect (80% power, 5% level, "
+            f"before Holm's adjustment): {claims.detectable_percent(detectable)}."]  # fmt: skip
     out += [
         "",
-        "Ratio to the in-length (1×) perplexity of the same run (1.0 = no degradation; marks on log-ratio):",
+        "Ratio to the in-length (1×) perplexity of the same run (1.0 = no degradation), seed by seed and document by "
+        f"document. {RATIO_WORDS} Smallest departure from 1 these tests detect: "
+        f"{claims.detectable_percent(list(ratio_estimates.values()))}.",
         "",
     ]
     out += [*head, *ratio_rows]
-    out += data_variance(by_label, labels, lengths, train_len)
     return "\n".join(out)
+
+
+def _ratio_cell(estimates: dict[Any, Any], flat: dict[str, Any], label: str, length: int, train_len: int) -> str:
+    if length == train_len:
+        return "1"
+    return f"{claims.shown(estimates[label, length], 3)} {claims.mark(flat.get(f'{label}@{length}'))}".rstrip()
+
+
+def _perplexity_cells(
+    by_label: Columns, labels: list[str], length: int, log_margin: float, detectable: list[Any]
+) -> list[str]:
+    """One row's cells: each column's perplexity, ◆ on the best, the others' words against it."""
+    estimates = {label: claims.log_perplexity(by_label[label], length) for label in labels}
+    known = {label: e for label, e in estimates.items() if e is not None and math.isfinite(e.estimate)}
+    if not known:
+        return ["—" for _ in labels]
+    best = min(known, key=lambda label: known[label].estimate)
+    versus = {
+        label: claims.log_ratio_between(by_label[label], by_label[best], length) for label in known if label != best
+    }
+    detectable += versus.values()
+    found = claims.words(versus, log_margin)
+    marks = {label: claims.BEST if label == best else claims.mark(found.get(label)) for label in labels}
+    return [f"{claims.shown(estimates[label])} {marks.get(label, '')}".rstrip() for label in labels]
+
+
+PERPLEXITY_WORDS = (
+    f"Marks, from tests: {claims.BEST} the best perplexity of the row; every other column is compared with it, paired "
+    f"by seed and document, Holm-adjusted over the row: {claims.MARKS['separated']} separated (p < 0.05), "
+    f"{claims.MARKS['equivalent']} equivalent (two one-sided tests within the margin), both when a difference is "
+    f"smaller than the margin, {claims.MARKS['inconclusive']} inconclusive (neither: not separated is not equal); no "
+    "mark: not tested (fewer than two seeds shared with the best, and no documents to cross)."
+)
+RATIO_WORDS = (
+    f"Marks: each ratio tested against 1, Holm-adjusted over the table: {claims.MARKS['separated']} separated from 1, "
+    f"{claims.MARKS['equivalent']} equivalent to 1 within the margin (flat), {claims.MARKS['inconclusive']} "
+    "inconclusive."
+)
+
+
+def legend(equivalence: float, recorded: bool) -> str:
+    """What a cell is, and the margin the words are tested against."""
+    whose = "the runs' own (eval.equivalence_margin)" if recorded else "the default: these runs predate the setting"
+    return (
+        "Cells: the perplexity over every seed and scored document, with its 95% interval from the seed, document and "
+        "seed × document variance components (seeds and documents crossed); "
+        f"{claims.SEEDS_ONLY_MARK}: over seeds only, where runs did not record their loss per document; a column of "
+        f"one seed varies by document only. Equivalence margin: ±{equivalence:.0%} of the perplexity, {whose}."
+    )
 
 
 def _sample(by_label: Columns) -> str:
@@ -146,65 +183,3 @@ def _sample(by_label: Columns) -> str:
     }
     shown = "; ".join(words.get(sample, sample) for sample in samples)
     return shown + (f", {', '.join(map(str, counts))} documents" if counts else "")
-
-
-def data_variance(by_label: Columns, labels: list[str], lengths: list[int], train_len: int) -> list[str]:
-    """Each column's perplexity relative to the best column's, with a 95% bootstrap interval over the documents.
-
-    Only where every run recorded its loss per document over the same documents; each column's seeds are averaged
-    first (seeds held fixed), so the interval is the data's variation alone.
-    """
-    runs = [run for label in labels for run in by_label[label]]
-    records = [run.get("documents") or {} for run in runs]
-    if not records or any("tokens" not in record for record in records):
-        return []
-    if len({repr((record.get("documents"), record.get("tokens"))) for record in records}) != 1:
-        return []
-    tokens = np.asarray(records[0]["tokens"], dtype=float)
-    rows = []
-    for length in lengths:
-        sums = {}
-        for label in labels:
-            per_run = [_document_loss(run, length) for run in by_label[label]]
-            if all(loss is not None and len(loss) == tokens.size for loss in per_run):
-                sums[label] = np.mean(per_run, axis=0)
-        if len(sums) < 2:
-            continue
-        names = list(sums)
-        matrix = np.stack([sums[name] for name in names])
-        full = matrix.sum(axis=1) / tokens.sum()
-        best = int(np.argmin(full))
-        resampled = resampled_losses(matrix, tokens, seed=length)
-        cells = []
-        for label in labels:
-            if label not in sums:
-                cells.append("—")
-                continue
-            index = names.index(label)
-            if index == best:
-                cells.append("best")
-                continue
-            differences = np.expm1(resampled[:, index] - resampled[:, best]) * 100
-            low, high = np.percentile(differences, [2.5, 97.5])
-            cells.append(f"{np.expm1(full[index] - full[best]) * 100:+.1f}% [{low:+.1f}, {high:+.1f}]")
-        rows.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
-    if not rows:
-        return []
-    return [
-        "",
-        f"How much of each difference is the data: each column's perplexity relative to the best column's at that "
-        f"length (seed means), with a 95% interval from resampling the {tokens.size} scored documents "
-        f"({RESAMPLES} resamples, the same documents for every column, so the comparison stays paired). An interval "
-        "that excludes 0 holds across resamples of the documents; the seed interval is in the table above.",
-        "",
-        "| length | ×L | " + " | ".join(labels) + " |",
-        "|---:|---:|" + "---:|" * len(labels),
-        *rows,
-    ]
-
-
-def _document_loss(run: dict[str, Any], length: int) -> list[float] | None:
-    for row in run["perplexity"]:
-        if row["length"] == length and row["error"] is None:
-            return row.get("document_loss")
-    return None

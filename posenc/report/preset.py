@@ -6,11 +6,15 @@ default ALiBi and NoPE: the best-known fixed prior and no prior at all), at ever
 under each protocol and for MQAR recall. Every test of the report goes into one family, whose p-values are
 adjusted together by Holm's method, so the chance of any false "separated" claim in the whole section stays at 5%.
 
-- Perplexity: the log ratio log(ppl_column / ppl_reference), paired by seed, with the crossed bootstrap (seeds and
-  the scored documents, one draw of documents shared by every seed: ``posenc/evaluate/bootstrap.py``) where every run
-  recorded its loss per document over the same documents; otherwise the paired t-test over the seeds alone, marked ᵗ.
+- Perplexity: the log ratio log(ppl_column / ppl_reference), paired by seed and document, with the crossed
+  estimator (``posenc/evaluate/crossed.py`` through ``claims``) where every run recorded its loss per document over
+  the same documents; otherwise over the seeds alone, marked ᵗ.
 - Recall (MQAR, the rate-selected columns of the retrieval section): the difference of exact-match accuracy, paired
-  by seed, with the crossed bootstrap over seeds and evaluation windows (a window's answers share their context).
+  by seed and evaluation window (a window's answers share their context), with the same estimator.
+
+Each test earns its words from two Holm families over the section (``claims.words``): separated, equivalent (within
+the runs' margin: ±1% of perplexity, ±2 points of accuracy by default), or inconclusive; each cell also states the
+smallest difference it detects (80% power, 5% level, before adjustment).
 """
 
 from __future__ import annotations
@@ -21,16 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from posenc.evaluate.bootstrap import BootstrapResult, crossed_difference, crossed_log_ratio
+from posenc.evaluate.crossed import Estimate, crossed, verdict
 from posenc.evaluate.effective import learned
-from posenc.evaluate.stats import ALPHA, holm, paired_comparison
+from posenc.evaluate.stats import holm
+from posenc.report import claims
 from posenc.report.common import UNSETTLED, Columns, order, unsettled_line, unsettled_seeds
-from posenc.report.perplexity import group_runs, protocol, value
+from posenc.report.perplexity import group_runs, protocol
 from posenc.report.retrieval import selected
 from posenc.report.tasks import task_columns
 
 DEFAULT_REFERENCES = ("alibi", "nope")
-SEPARATED, NOT_SEPARATED = "✓", "≈"
 
 
 def reference_columns(by_label: Columns, references: Sequence[str]) -> list[str]:
@@ -66,43 +70,33 @@ def _shared(by_label: Columns, a: str, b: str) -> list[tuple[dict[str, Any], dic
     return [(seeds_a[s], seeds_b[s]) for s in sorted(set(seeds_a) & set(seeds_b), key=str)]
 
 
-def perplexity_test(pairs_: list[tuple[dict[str, Any], dict[str, Any]]], length: int) -> dict[str, Any] | None:
-    """The log ratio's estimate, interval and p-value at one length over the shared seeds (module docstring)."""
-    kept = [(x, y) for x, y in pairs_ if _finite(value(x, length, "ppl")) and _finite(value(y, length, "ppl"))]
-    if len(kept) < 2:
+def perplexity_test(pairs_: list[tuple[dict[str, Any], dict[str, Any]]], length: int) -> Estimate | None:
+    """The log ratio column / reference at one length over the shared seeds (module docstring)."""
+    if len(pairs_) < 2:
         return None
-    losses = [(_document_loss(x, length), _document_loss(y, length)) for x, y in kept]
-    records = [run.get("documents") or {} for pair in kept for run in pair]
-    scored = {repr(_document_tokens(run, length)) for pair in kept for run in pair}
-    same_documents = len({repr(r.get("documents")) for r in records}) == 1 and len(scored) == 1
-    tokens = _document_tokens(kept[0][0], length)
-    if same_documents and tokens and all(a is not None and b is not None for a, b in losses):
-        result = crossed_log_ratio([a for a, _ in losses], [b for _, b in losses], np.asarray(tokens), seed=length)
-        return _record(result)
-    logs = [(math.log(value(x, length, "ppl")), math.log(value(y, length, "ppl"))) for x, y in kept]
-    c = paired_comparison([x for x, _ in logs], [y for _, y in logs])
-    low, high = c.mean_difference - c.half_width, c.mean_difference + c.half_width
-    return {"estimate": c.mean_difference, "low": low, "high": high, "p": c.p_value, "n": len(kept), "t": True}
+    return claims.log_ratio_between([x for x, _ in pairs_], [y for _, y in pairs_], length)
 
 
-def recall_test(pairs_: list[tuple[dict[str, Any], dict[str, Any]]], length: int) -> dict[str, Any] | None:
-    """The accuracy difference's estimate, interval and p-value at one length (crossed bootstrap)."""
+def recall_test(pairs_: list[tuple[dict[str, Any], dict[str, Any]]], length: int) -> Estimate | None:
+    """The accuracy difference column − reference at one length, seeds × evaluation windows crossed."""
     grids = [(_window_accuracy(x, length), _window_accuracy(y, length)) for x, y in pairs_]
     grids = [(a, b) for a, b in grids if a is not None and b is not None and len(a) == len(b)]
     if len(grids) < MIN_LEARNED or len({len(a) for a, _ in grids}) != 1:  # one seed: no seed variance to give
         return None
-    return _record(crossed_difference([a for a, _ in grids], [b for _, b in grids], seed=length))
+    return crossed(np.asarray([a for a, _ in grids]) - np.asarray([b for _, b in grids]))
 
 
 def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DEFAULT_REFERENCES) -> list[str]:
     """Markdown lines of the section; empty when no table holds a reference and another column."""
-    tests: list[tuple[str, str, str, int, dict[str, Any]]] = []  # (table, column, reference, length, result)
+    tests: list[tuple[str, str, str, int, Estimate]] = []  # (table, column, reference, length, estimate)
+    runs_of: dict[str, list[dict[str, Any]]] = {}  # kind -> every run compared: their margins
     tables: dict[str, tuple[int, str]] = {}  # table title -> (train_len, what the cells are)
     unsettled: dict[str, str] = {}  # column -> its seeds whose positional parameters had not settled
 
     def compare(title: str, train_len: int, by_label: Columns, rows: str, test: Callable, kind: str) -> None:
         """Every column against each reference at every length of ``rows`` (``perplexity`` or ``mqar``)."""
         unsettled.update({label: note for label, runs in by_label.items() if (note := unsettled_seeds(runs))})
+        runs_of.setdefault(kind, []).extend(run for runs in by_label.values() for run in runs)
         lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run[rows]})
         for column, reference in pairs(by_label, references):
             for length in lengths:
@@ -122,19 +116,31 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
         compare(title, train_len, columns, "mqar", recall_test, "recall")
     if not tests:
         return []
-    adjusted = holm({str(index): test[4]["p"] for index, test in enumerate(tests)})
+    margins = {
+        kind: claims.margin(runs_of[kind], key)[0]
+        for kind, key in (("ppl", "equivalence_margin"), ("recall", "equivalence_accuracy"))
+        if runs_of.get(kind)
+    }
+    on_scale = {"ppl": math.log1p(margins.get("ppl", 0.0)), "recall": margins.get("recall", 0.0)}
+    differs = holm({str(i): test[4].p_value for i, test in enumerate(tests)})
+    same = holm({str(i): test[4].equivalence_p(on_scale[tables[test[0]][1]]) for i, test in enumerate(tests)})
+    found = {str(i): verdict(differs[str(i)], same[str(i)]) for i in range(len(tests))}
+    shown_margins = [f"±{margins['ppl']:.0%} of perplexity"] if "ppl" in margins else []
+    shown_margins += [f"±{margins['recall']:.2f} of accuracy"] if "recall" in margins else []
     out = [
         "",
         "## Comparisons fixed in advance",
         "",
-        f"Every column against {', '.join(references)} at every length, named before the results were read; the "
-        f"{len(tests)} tests of this section are one family, their p-values adjusted together by Holm's method. "
-        "Perplexity: the ratio to the reference, paired by seed, with its 95% interval from the crossed "
-        "bootstrap (seeds and documents, one draw of documents shared by every seed and column; ᵗ: the paired t "
-        "interval over seeds, where per-document losses were not recorded); recall: the difference of exact-match "
-        "accuracy with its 95% interval from the bootstrap over seeds × evaluation windows. Intervals: bootstrap "
-        "standard error with Student's t at seeds − 1 "
-        f"degrees of freedom. p: Holm-adjusted; {SEPARATED}: p < {ALPHA:g}, {NOT_SEPARATED}: not separated.",
+        f"Every column against {', '.join(references)} at every length, named before the results were read. "
+        "Perplexity: the ratio to the reference, paired by seed and scored document, with its 95% interval from the "
+        "crossed estimator (seed, document and seed × document variance; ᵗ: over seeds only, where per-document "
+        "losses were not recorded); recall: the difference of exact-match accuracy, paired by seed and evaluation "
+        f"window, from the same estimator. The {len(tests)} tests are two families, each adjusted by Holm's method: "
+        "no difference (p below, Holm-adjusted) and equivalence within the margin (two one-sided tests, "
+        f"{' and '.join(shown_margins)}). Words: {claims.MARKS['separated']} separated, {claims.MARKS['equivalent']} "
+        f"equivalent, {claims.MARKS['inconclusive']} inconclusive (not separated is not equal). Each cell: the "
+        "estimate [95% interval], the Holm-adjusted p of no difference, its words, n seeds, and the smallest "
+        "difference it detects (80% power, 5% level, before adjustment).",
     ]
     if unlearned:
         out += [
@@ -157,8 +163,9 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
             for length in lengths:
                 cells = []
                 for column in columns:
-                    found = [(i, t) for i, t in mine if t[1] == column and t[2] == reference and t[3] == length]
-                    cells.append(_cell(found[0][1][4], adjusted[str(found[0][0])], kind) if found else "—")
+                    here = [(i, t) for i, t in mine if t[1] == column and t[2] == reference and t[3] == length]
+                    cells.append(_cell(here[0][1][4], differs[str(here[0][0])], found[str(here[0][0])], kind)
+                                 if here else "—")  # fmt: skip
                 out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
     return out
 
@@ -183,40 +190,16 @@ def learned_seeds(by_label: Columns, train_len: int) -> tuple[Columns, list[str]
     return kept, notes
 
 
-def _cell(result: dict[str, Any], p: float, kind: str) -> str:
-    mark = SEPARATED if p < ALPHA else NOT_SEPARATED
+def _cell(estimate: Estimate, p: float, found: tuple[str, ...], kind: str) -> str:
+    low, high = estimate.interval()
+    detects = estimate.detectable()
     if kind == "ppl":
-        shown = f"{math.exp(result['estimate']):.3f} [{math.exp(result['low']):.3f}, {math.exp(result['high']):.3f}]"
-        shown += "ᵗ" if result.get("t") else ""
+        shown = claims.shown(estimate, 3)
+        detects_shown = f"±{math.expm1(detects):.1%}"
     else:
-        shown = f"{result['estimate']:+.3f} [{result['low']:+.3f}, {result['high']:+.3f}]"
-    return f"{shown} p={p:.2g} {mark} (n={result['n']})"
-
-
-def _record(result: BootstrapResult) -> dict[str, Any]:
-    return {"estimate": result.estimate, "low": result.low, "high": result.high, "p": result.p_value, "n": result.seeds}
-
-
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x) and x > 0
-
-
-def _document_loss(run: dict[str, Any], length: int) -> list[float] | None:
-    row = next((r for r in run.get("perplexity") or [] if r["length"] == length and r["error"] is None), None)
-    return None if row is None else row.get("document_loss")
-
-
-def _document_tokens(run: dict[str, Any], length: int) -> list[float] | None:
-    """The targets scored in each document at ``length``.
-
-    The row's own count (a sliding protocol keeps a stream's first targets as context), else the documents record's
-    (every target scored).
-    """
-    row = next((r for r in run.get("perplexity") or [] if r["length"] == length and r["error"] is None), None)
-    if row is not None and row.get("document_tokens") is not None:
-        return [float(n) for n in row["document_tokens"]]
-    tokens = (run.get("documents") or {}).get("tokens")
-    return [float(n) for n in tokens] if tokens else None
+        shown = f"{estimate.estimate:+.3f} [{low:+.3f}, {high:+.3f}]"
+        detects_shown = f"±{detects:.3f}"
+    return f"{shown} p={p:.2g} {claims.mark(found)} (n={estimate.seeds}; detects {detects_shown})"
 
 
 def _window_accuracy(run: dict[str, Any], length: int) -> list[float] | None:

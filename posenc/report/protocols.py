@@ -5,16 +5,19 @@ share of its tokens that handicap, so perplexity can fall with length without an
 2022, Appendix B). Sliding windows score only tokens with at least (1 − f) · N tokens of context. A scheme whose
 ratio stays flat under both extrapolates; one that is flat only without overlap gains from the early-token effect.
 One row per scheme, for each protocol its in-length perplexity, its perplexity at the longest length every protocol
-evaluated, and the ratio of the two (mean over seeds ± the 95% Student-t half-width).
+evaluated, and the ratio of the two, each over every seed and scored document with its 95% interval (seeds and documents
+crossed, ``claims``); the ratio's words say whether it is flat (equivalent to 1 within the margin).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
-from posenc.report.common import Appendix, interval_cells, order
-from posenc.report.perplexity import group_order, group_runs, protocol, value
+from posenc.report import claims
+from posenc.report.common import Appendix, order
+from posenc.report.perplexity import group_order, group_runs, protocol
 
 
 def protocol_tables(results: list[dict[str, Any]], appendix: Appendix | None = None) -> str:
@@ -49,17 +52,23 @@ def protocol_tables(results: list[dict[str, Any]], appendix: Appendix | None = N
             "| " + " | ".join(header) + " |",
             "|---|" + "---:|" * (len(header) - 1),
         ]
+        runs = [run for key in keys for found in groups[key].values() for run in found]
+        log_margin = math.log1p(claims.margin(runs)[0])
+        ratios = {
+            (label, key): claims.log_ratio(groups[key].get(label, []), longest, train_len)
+            for label in labels
+            for key in keys
+        }
+        flat = claims.words({repr(name): estimate for name, estimate in ratios.items()}, log_margin)
         for label in labels:
             cells = []
             for key in keys:
-                runs = groups[key].get(label, [])
-                figures = {
-                    "1": [value(run, train_len, "ppl") for run in runs],
-                    "n": [value(run, longest, "ppl") for run in runs],
-                    "r": [value(run, longest, "ratio") for run in runs],
-                }
-                shown = interval_cells(figures, 2)
-                cells += [shown["1"], shown["n"], interval_cells({"r": figures["r"]}, 3)["r"]]
+                mine = groups[key].get(label, [])
+                cells += [claims.shown(claims.log_perplexity(mine, train_len)),
+                          claims.shown(claims.log_perplexity(mine, longest))]  # fmt: skip
+                ratio = ratios[label, key]
+                cells.append(f"{claims.shown(ratio, 3)} {claims.mark(flat.get(repr((label, key))))}".rstrip())
             out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out += ["", claims.flat_legend(log_margin)]
         out.append("")
     return "\n".join(out).rstrip()
