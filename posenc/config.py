@@ -16,9 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from pydantic import BaseModel
 
+from posenc.jsonio import cannot_create
 from posenc.model import encoding_label
+from posenc.schema import as_override, refusal
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -84,23 +87,10 @@ def _options(*, _root_: DictConfig) -> str:
             if isinstance(value, dict) and value:
                 walk(value, f"{prefix}{key}.")
             else:
-                lines.append(f"  {prefix}{key}={_as_override(value)}")
+                lines.append(f"  {prefix}{key}={as_override(value)}")
 
     walk(plain, "")
     return "\n".join(lines)
-
-
-def _as_override(value: Any) -> str:
-    """A value as it is typed on the command line (``[1,2,4]``, ``true``, ``null``)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(_as_override(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{key}:{_as_override(item)}" for key, item in value.items()) + "}"
-    return str(value)
 
 
 def register_resolvers() -> None:
@@ -173,7 +163,13 @@ _HYDRA_PRINTS = ("help", "hydra_help", "version", "cfg", "info", "shell_completi
 _TRAINER_SET_BY_LOOP = ("self", "logger", "callbacks", "default_root_dir")
 
 
-def check_command_line(args: Sequence[str], config_name: str, command: str, read_elsewhere: Sequence[str] = ()) -> None:
+def check_command_line(
+    args: Sequence[str],
+    config_name: str,
+    command: str,
+    read_elsewhere: Sequence[str] = (),
+    schema: type[BaseModel] | None = None,
+) -> dict[str, Any] | None:
     """Refuse in one line, before Hydra starts, a command line naming an option or a key the config does not have.
 
     Hydra's own refusals are a paragraph (a group option it cannot find ends with its config search path), and a key
@@ -183,6 +179,11 @@ def check_command_line(args: Sequence[str], config_name: str, command: str, read
     ``Trainer`` (``+trainer.max_time=...``). ``read_elsewhere``: top-level keys the command checks itself
     (``posenc.evaluate`` compares ``encoding`` and ``model`` with the checkpoint's). The config is composed here the
     way Hydra will compose it (a sweep as its first job); nothing is written.
+
+    ``schema``: the settings' types and ranges (``posenc.schema``), which a single run's values are checked against
+    here, with the directory Hydra would make for it; a sweep's every job is checked so before its first starts
+    (``posenc.training.sweep.SweepPreflight``), where each can be named. Returns a single run's checked config
+    (plain, resolved), for checks of the machine it will run on; ``None`` otherwise.
     """
     from hydra._internal.utils import get_args_parser  # Hydra's own reading of its command line
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -192,24 +193,26 @@ def check_command_line(args: Sequence[str], config_name: str, command: str, read
         with contextlib.redirect_stderr(io.StringIO()):  # a malformed flag: Hydra's parser says so when it starts
             parsed = get_args_parser().parse_args(list(args))
     except SystemExit:
-        return
+        return None
     if any(getattr(parsed, flag, None) for flag in _HYDRA_PRINTS):
-        return
+        return None
     try:
-        overrides = [o for o in OverridesParser.create().parse_overrides(parsed.overrides) if not o.is_hydra_override()]
+        everything = OverridesParser.create().parse_overrides(parsed.overrides)
     except OverrideParseException as err:
         reason = str(err).splitlines()[0]
         raise SystemExit(
             f"cannot read the override {err.override}: {reason} (quote a value with brackets or spaces for the "
             "shell, e.g. 'eval.multiples=[1,2]')"
         ) from None
+    overrides = [o for o in everything if not o.is_hydra_override()]
     config_dir = Path(parsed.config_dir).expanduser().resolve() if parsed.config_dir else None
     groups = _groups(config_dir)
+    _check_once(overrides, groups)
     for override in overrides:
         if override.key_or_group in groups:
             _check_options(override, groups[override.key_or_group])
     composer = _Composer(parsed.config_name or config_name, config_dir, groups, command)
-    composer.compose(overrides, parsed.multirun)
+    config = composer.compose(overrides, parsed.multirun, [o.input_line for o in everything if o.is_hydra_override()])
     added = [o for o in overrides if (o.is_add() or o.is_force_add()) and o.key_or_group not in groups]
     for override in added:
         key = override.key_or_group
@@ -224,6 +227,56 @@ def check_command_line(args: Sequence[str], config_name: str, command: str, read
             f"unknown key {key} (in {override.input_line}): {_nearest(key, composer.known(others))}; "
             f"{command} --help lists the config"
         )
+    return _check_values(config, schema, parsed.multirun, command) if schema is not None else None
+
+
+def _check_once(overrides: list[Any], groups: dict[str, list[str]]) -> None:
+    """A config group added twice (``+encoding=alibi +encoding=rope``): say how to give one, or sweep both.
+
+    Hydra refuses it with advice for a YAML defaults list; a group replaced twice (``logger=none logger=csv``) is
+    Hydra's to settle: the last one counts.
+    """
+    seen: dict[str, Any] = {}
+    for override in overrides:
+        group = override.key_or_group
+        if group in groups and override.is_add():
+            if group in seen:
+                first = seen[group]
+                plus = "+" if group == "encoding" else ""
+                raise SystemExit(
+                    f"{group} is chosen twice ({first.input_line} and {override.input_line}): give one; to train "
+                    f"each in turn, sweep them: -m {plus}{group}={first.value()},{override.value()}"
+                )
+            seen[group] = override
+
+
+def _check_values(config: DictConfig, schema: type[BaseModel], multirun: bool, command: str) -> dict[str, Any] | None:
+    """Every value of a composed config against ``schema``, and the directory Hydra will make for it, in one line.
+
+    ``${hydra:...}`` in a setting resolves as the job will see it. A sweep's values are checked per job by the
+    sweep's preflight (``None`` is returned); its directory here. A single run's plain config is returned.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf.errors import OmegaConfBaseException
+
+    HydraConfig.instance().set_config(config)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        directory = OmegaConf.select(config, key) if "hydra" in config else None
+        task = config.copy()
+        with open_dict(task):
+            task.pop("hydra", None)
+        plain = OmegaConf.to_container(task, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as err:
+        raise SystemExit(f"cannot resolve {err.full_key}: {str(err).splitlines()[0]}") from None
+    if "encoding" in schema.model_fields and schema.model_fields["encoding"].is_required() and not multirun:
+        require_encoding(config, command)
+    if not multirun and (line := refusal(plain, schema)) is not None:  # type: ignore[arg-type]
+        raise SystemExit(line)
+    writes = OmegaConf.select(config, "hydra.output_subdir") is not None  # posenc.evaluate writes in its run only
+    if directory is not None and (why := cannot_create(Path(str(directory)), write=writes)) is not None:
+        raise SystemExit(f"{key}={directory}: {why}; choose a writable place, e.g. output_root=<dir>")
+    return None if multirun else plain  # type: ignore[return-value]
 
 
 def _groups(config_dir: Path | None) -> dict[str, list[str]]:
@@ -297,8 +350,11 @@ class _Composer:
         swept = [o for o in self.sweep_params if o.key_or_group not in given]
         return [line for o in [*swept, *overrides] if (line := _first_choice(o, self.groups)) is not None]
 
-    def compose(self, overrides: list[Any], multirun: bool) -> DictConfig:
-        """The config of ``overrides`` (of a sweep's first job); exits with one line where Hydra refuses them."""
+    def compose(self, overrides: list[Any], multirun: bool, hydra_lines: Sequence[str] = ()) -> DictConfig:
+        """The config of ``overrides`` (of a sweep's first job) with Hydra's node; one line where Hydra refuses them.
+
+        ``hydra_lines``: the command line's overrides of Hydra's own settings (``hydra.run.dir=...``).
+        """
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from hydra.errors import HydraException, MissingConfigException
         from omegaconf.errors import OmegaConfBaseException
@@ -308,7 +364,7 @@ class _Composer:
                 params = OmegaConf.select(self._compose([], hydra=True), "hydra.sweeper.params") or {}
                 lines = [f"{key}={value}" for key, value in params.items()]
                 self.sweep_params = OverridesParser.create().parse_overrides(lines)
-            return self._compose(self._lines(overrides))
+            return self._compose([*self._lines(overrides), *hydra_lines], hydra=True)
         except MissingConfigException as err:
             value = str(err.missing_cfg_file or "").rpartition("/")[2]
             options = list(err.options or [])
