@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from posenc.jsonio import cannot_create
 from posenc.model import encoding_label
-from posenc.schema import as_override, refusal
+from posenc.schema import EvaluateConfig, as_override, describe, field_at, leaves, refusal
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -75,9 +75,13 @@ def _gpus(accelerator: str, devices: Any) -> Any:
     return None if accelerator == "cpu" else devices
 
 
-def _options(*, _root_: DictConfig) -> str:
-    """Every setting of a command's config as ``key=default``, one a line: what its ``--help`` lists to override."""
+def _options(schema: str = "", *, _root_: DictConfig) -> str:
+    """Every setting of a command's config as ``key=default``, one a line: what its ``--help`` lists to override.
+
+    ``schema`` (``evaluate``): each line also says what the key accepts and what it is for, read from the schema.
+    """
     plain = OmegaConf.to_container(_root_, resolve=False)
+    declared = {"evaluate": EvaluateConfig}.get(schema)
     lines = []
 
     def walk(node: Any, prefix: str) -> None:
@@ -86,8 +90,13 @@ def _options(*, _root_: DictConfig) -> str:
                 continue
             if isinstance(value, dict) and value:
                 walk(value, f"{prefix}{key}.")
-            else:
-                lines.append(f"  {prefix}{key}={as_override(value)}")
+                continue
+            line = f"  {prefix}{key}={as_override(value)}"
+            field = field_at(declared, f"{prefix}{key}") if declared is not None else None
+            if field is not None:
+                purpose = f": {field.description}" if field.description else ""
+                line = f"{line:<44}  {describe(field.annotation, field.metadata)}{purpose}"
+            lines.append(line)
 
     walk(plain, "")
     return "\n".join(lines)
@@ -103,7 +112,8 @@ def register_resolvers() -> None:
     scaling, and ``${posenc.lineage:${oc.select:init_from,null}}``: ``-from-alibi`` for a run fine-tuned from an
     ALiBi run, so that the run name says both (``rope-yarn4-from-rope-L256-s0``);
     ``${posenc.gpus:${trainer.accelerator},${trainer.devices}}``: the GPUs per node a SLURM job asks for;
-    ``${posenc.options:}``: every setting as ``key=default`` (the ``--help`` of ``posenc.evaluate``).
+    ``${posenc.options:evaluate}``: every setting as ``key=default``, with what it accepts (the ``--help`` of
+    ``posenc.evaluate``).
     """
     if not OmegaConf.has_resolver("posenc.label"):
         OmegaConf.register_new_resolver("posenc.label", _label)
@@ -260,23 +270,50 @@ def _check_values(config: DictConfig, schema: type[BaseModel], multirun: bool, c
     from omegaconf.errors import OmegaConfBaseException
 
     HydraConfig.instance().set_config(config)
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    try:
-        directory = OmegaConf.select(config, key) if "hydra" in config else None
-        task = config.copy()
-        with open_dict(task):
-            task.pop("hydra", None)
-        plain = OmegaConf.to_container(task, resolve=True, throw_on_missing=False)
-    except OmegaConfBaseException as err:
-        raise SystemExit(f"cannot resolve {err.full_key}: {str(err).splitlines()[0]}") from None
+    task = config.copy()
+    with open_dict(task):
+        task.pop("hydra", None)
+    plain, unresolved = _resolved(task)
     if "encoding" in schema.model_fields and schema.model_fields["encoding"].is_required() and not multirun:
         require_encoding(config, command)
-    if not multirun and (line := refusal(plain, schema)) is not None:  # type: ignore[arg-type]
+    if not multirun and (line := refusal(plain, schema)) is not None:
         raise SystemExit(line)
+    if unresolved is not None:
+        raise SystemExit(unresolved)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        directory = OmegaConf.select(config, key)
+    except OmegaConfBaseException as err:
+        raise SystemExit(f"cannot resolve {key}: {str(err).splitlines()[0]}") from None
     writes = OmegaConf.select(config, "hydra.output_subdir") is not None  # posenc.evaluate writes in its run only
     if directory is not None and (why := cannot_create(Path(str(directory)), write=writes)) is not None:
         raise SystemExit(f"{key}={directory}: {why}; choose a writable place, e.g. output_root=<dir>")
-    return None if multirun else plain  # type: ignore[return-value]
+    return None if multirun else plain
+
+
+def _resolved(config: DictConfig) -> tuple[dict[str, Any], str | None]:
+    """A config as plain values, and the line for an interpolation that cannot resolve (or ``None``).
+
+    Interpolations read other settings (``run_name`` reads the scheme and ``data.seq_len``): one that fails on a bad
+    value stays as written, so that the schema names the value rather than the interpolation that read it.
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(config, resolve=True, throw_on_missing=False), None  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        unresolved = f"cannot resolve {err.full_key}: {str(err).splitlines()[0]}"
+    plain: dict[str, Any] = OmegaConf.to_container(config, resolve=False, throw_on_missing=False)  # type: ignore[assignment]
+    for key, value in leaves(plain):
+        if isinstance(value, str) and "${" in value:
+            with contextlib.suppress(OmegaConfBaseException):
+                resolved = OmegaConf.select(config, key)
+                *parents, last = key.split(".")
+                node = plain
+                for part in parents:
+                    node = node[part]
+                node[last] = OmegaConf.to_container(resolved) if OmegaConf.is_config(resolved) else resolved
+    return plain, unresolved
 
 
 def _groups(config_dir: Path | None) -> dict[str, list[str]]:

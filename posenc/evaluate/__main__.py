@@ -56,11 +56,11 @@ def _main(cfg: DictConfig) -> None:
         check_wandb({**logger_cfg, "kind": "wandb"}, f"the run's logger.mode={logger_cfg.get('mode', 'auto')}")
     if (why := cannot_create(out_dir)) is not None:
         raise RunError(f"cannot write the results to {out_dir} ({why}): give out_dir=<a writable folder>")
+    from posenc.evaluate.outputs import print_results
+
     multiples = ", ".join(f"{m}×" for m in eval_cfg["multiples"])
     print(f"evaluating {checkpoint} at {multiples} the training length into {out_dir} (Ctrl-C stops it)", flush=True)
     kept = f"{out_dir} is as it was" if out_dir.exists() else f"nothing was written ({out_dir} does not exist)"
-    from posenc.evaluate.outputs import print_results
-
     try:
         results, images = _evaluate(cfg, checkpoint, run_dir, eval_cfg, device, out_dir)
         kept = f"{out_dir} holds this evaluation's results"

@@ -134,4 +134,7 @@ def _view_group(entity_project: str, group: str | None, results: list[dict]) -> 
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # every file is written whole or not at all: what was there is intact
+        raise SystemExit("interrupted: report.md and each plot are either as they were or whole") from None

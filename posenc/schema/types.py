@@ -57,7 +57,10 @@ def describe(annotation: Any, constraints: Sequence[Any] = ()) -> str:
         return titled
     if origin in (Union, types.UnionType):
         members = [member for member in args if member is not type(None)]
-        words = _either([describe(member) for member in members])
+        described = [describe(member) for member in members]
+        if len(described) > 1:  # true, false or auto
+            described = [("true, false" if word == "true or false" else word) for word in described]
+        words = _either(described)
         return words + (" or null" if len(members) < len(args) else "")
     if origin is Literal:
         values = [as_override(value) for value in args]
