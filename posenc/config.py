@@ -16,12 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel
 
-from posenc.jsonio import cannot_create
 from posenc.model import encoding_label
-from posenc.schema import EvaluateConfig, as_override, describe, field_at, leaves, refusal
+from posenc.schema.composed import check_composed, settings_help
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -75,33 +74,6 @@ def _gpus(accelerator: str, devices: Any) -> Any:
     return None if accelerator == "cpu" else devices
 
 
-def _options(schema: str = "", *, _root_: DictConfig) -> str:
-    """Every setting of a command's config as ``key=default``, one a line: what its ``--help`` lists to override.
-
-    ``schema`` (``evaluate``): each line also says what the key accepts and what it is for, read from the schema.
-    """
-    plain = OmegaConf.to_container(_root_, resolve=False)
-    declared = {"evaluate": EvaluateConfig}.get(schema)
-    lines = []
-
-    def walk(node: Any, prefix: str) -> None:
-        for key, value in node.items():
-            if prefix == "" and key in ("hydra", "target"):
-                continue
-            if isinstance(value, dict) and value:
-                walk(value, f"{prefix}{key}.")
-                continue
-            line = f"  {prefix}{key}={as_override(value)}"
-            field = field_at(declared, f"{prefix}{key}") if declared is not None else None
-            if field is not None:
-                purpose = f": {field.description}" if field.description else ""
-                line = f"{line:<44}  {describe(field.annotation, field.metadata)}{purpose}"
-            lines.append(line)
-
-    walk(plain, "")
-    return "\n".join(lines)
-
-
 def register_resolvers() -> None:
     """The resolvers run names are made of.
 
@@ -126,7 +98,7 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("posenc.gpus"):
         OmegaConf.register_new_resolver("posenc.gpus", _gpus)
     if not OmegaConf.has_resolver("posenc.options"):
-        OmegaConf.register_new_resolver("posenc.options", _options)
+        OmegaConf.register_new_resolver("posenc.options", settings_help)
 
 
 def encoding_choices() -> list[str]:
@@ -237,7 +209,11 @@ def check_command_line(
             f"unknown key {key} (in {override.input_line}): {_nearest(key, composer.known(others))}; "
             f"{command} --help lists the config"
         )
-    return _check_values(config, schema, parsed.multirun, command) if schema is not None else None
+    if schema is None:
+        return None
+    if schema.model_fields["encoding"].is_required() and not parsed.multirun:  # a sweep's preflight names the job
+        require_encoding(config, command)
+    return check_composed(config, schema, parsed.multirun)
 
 
 def _check_once(overrides: list[Any], groups: dict[str, list[str]]) -> None:
@@ -258,62 +234,6 @@ def _check_once(overrides: list[Any], groups: dict[str, list[str]]) -> None:
                     f"each in turn, sweep them: -m {plus}{group}={first.value()},{override.value()}"
                 )
             seen[group] = override
-
-
-def _check_values(config: DictConfig, schema: type[BaseModel], multirun: bool, command: str) -> dict[str, Any] | None:
-    """Every value of a composed config against ``schema``, and the directory Hydra will make for it, in one line.
-
-    ``${hydra:...}`` in a setting resolves as the job will see it. A sweep's values are checked per job by the
-    sweep's preflight (``None`` is returned); its directory here. A single run's plain config is returned.
-    """
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf.errors import OmegaConfBaseException
-
-    HydraConfig.instance().set_config(config)
-    task = config.copy()
-    with open_dict(task):
-        task.pop("hydra", None)
-    plain, unresolved = _resolved(task)
-    if "encoding" in schema.model_fields and schema.model_fields["encoding"].is_required() and not multirun:
-        require_encoding(config, command)
-    if not multirun and (line := refusal(plain, schema)) is not None:
-        raise SystemExit(line)
-    if unresolved is not None:
-        raise SystemExit(unresolved)
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    try:
-        directory = OmegaConf.select(config, key)
-    except OmegaConfBaseException as err:
-        raise SystemExit(f"cannot resolve {key}: {str(err).splitlines()[0]}") from None
-    writes = OmegaConf.select(config, "hydra.output_subdir") is not None  # posenc.evaluate writes in its run only
-    if directory is not None and (why := cannot_create(Path(str(directory)), write=writes)) is not None:
-        raise SystemExit(f"{key}={directory}: {why}; choose a writable place, e.g. output_root=<dir>")
-    return None if multirun else plain
-
-
-def _resolved(config: DictConfig) -> tuple[dict[str, Any], str | None]:
-    """A config as plain values, and the line for an interpolation that cannot resolve (or ``None``).
-
-    Interpolations read other settings (``run_name`` reads the scheme and ``data.seq_len``): one that fails on a bad
-    value stays as written, so that the schema names the value rather than the interpolation that read it.
-    """
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return OmegaConf.to_container(config, resolve=True, throw_on_missing=False), None  # type: ignore[return-value]
-    except OmegaConfBaseException as err:
-        unresolved = f"cannot resolve {err.full_key}: {str(err).splitlines()[0]}"
-    plain: dict[str, Any] = OmegaConf.to_container(config, resolve=False, throw_on_missing=False)  # type: ignore[assignment]
-    for key, value in leaves(plain):
-        if isinstance(value, str) and "${" in value:
-            with contextlib.suppress(OmegaConfBaseException):
-                resolved = OmegaConf.select(config, key)
-                *parents, last = key.split(".")
-                node = plain
-                for part in parents:
-                    node = node[part]
-                node[last] = OmegaConf.to_container(resolved) if OmegaConf.is_config(resolved) else resolved
-    return plain, unresolved
 
 
 def _groups(config_dir: Path | None) -> dict[str, list[str]]:

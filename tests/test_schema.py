@@ -229,7 +229,7 @@ def test_every_setting_of_every_config_is_declared_and_every_config_is_valid() -
 
 
 FAST_HYPOTHESIS = settings(
-    max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.filter_too_much]
+    max_examples=8, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.filter_too_much]
 )
 
 
@@ -327,7 +327,13 @@ def _command_line_value(value: Any) -> bool:
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_a_sample_through_the_command_line_gets_one_line_and_leaves_nothing(
     tmp_path: Path, data: st.DataObject

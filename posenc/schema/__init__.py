@@ -3,9 +3,9 @@
 ``groups.py`` declares the settings (read it to learn a key); ``refusal`` validates a composed config against them
 and turns what pydantic finds into the one line a user gets: the key, the value as typed, what the key accepts
 (``eval.multiples=4 must be a non-empty list, each a whole number ≥ 1 (e.g. eval.multiples=[1,2,4])``). The entry
-points call it before Hydra makes a directory (``posenc/config.py``) and again on the config a run trains with
-(``posenc.runs.validate``), so a sweep's every job is checked before the first starts. It imports nothing of posenc
-but itself: every entry point can afford it before the heavy libraries load.
+points call it before Hydra makes a directory (``composed.py``, from ``posenc/config.py``) and again on the config a
+run trains with (``posenc.runs.validate``), so a sweep's every job is checked before the first starts. It imports
+nothing of posenc but itself: every entry point can afford it before the heavy libraries load.
 """
 
 from __future__ import annotations
