@@ -24,7 +24,7 @@ from posenc.train import train
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ["+encoding=alibi", *FAST]
 MULTIPLES = "a non-empty list, each a whole number ≥ 1 (e.g. eval.multiples=[1,2,4])"
-# Rows that need GPUs absent, or W&B without a key: the environment they are refused in.
+# Rows that need the machine to have no GPU.
 NO_GPU = ("gpu on a CPU machine", "evaluate, cuda on a CPU machine", "flex on CPU")
 # (id, command, arguments, what stderr's first line says, or one of several); {files} / {run} come from fixtures.
 ROWS = [
@@ -168,6 +168,13 @@ ROWS = [
         f"eval.multiples=[0] must be {MULTIPLES}",
     ),
     (
+        "W&B online without a key, evaluate",
+        "evaluate",
+        ["{run}", "wandb=true"],
+        "WANDB_MODE=online needs a W&B API key and none is configured (WANDB_API_KEY, or ~/.netrc from `wandb login`): "
+        "log in first, or evaluate with wandb=false",
+    ),
+    (
         "evaluate, cuda on a CPU machine",
         "evaluate",
         ["{run}", "device=cuda"],
@@ -237,9 +244,10 @@ def outcomes(
         args = [a.format(**paths) for a in args]
         env = {**os.environ, "WANDB_MODE": "disabled"}
         if name.startswith("W&B"):  # W&B as a user without a key has it: no key, no mode forced, a home of its own
-            env = {k: v for k, v in env.items() if k not in ("WANDB_MODE", "WANDB_API_KEY", "NETRC")} | {
-                "HOME": str(cwd)
-            }
+            home = str(tmp_path_factory.mktemp("home"))
+            env = {k: v for k, v in env.items() if k not in ("WANDB_MODE", "WANDB_API_KEY", "NETRC")} | {"HOME": home}
+            if command == "evaluate":  # W&B asked for online by the environment, which wins over the run's setting
+                env["WANDB_MODE"] = "online"
         result = subprocess.run(
             [sys.executable, "-m", f"posenc.{command}", *args],
             cwd=cwd,

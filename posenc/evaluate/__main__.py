@@ -53,7 +53,11 @@ def _main(cfg: DictConfig) -> None:
     logger_cfg = config.get("logger") or {}
     wandb = cfg.wandb is True or (cfg.wandb == "auto" and logger_cfg.get("kind") == "wandb")
     if wandb:  # the run's own W&B run, online only with a key: never a prompt
-        check_wandb({**logger_cfg, "kind": "wandb"}, f"the run's logger.mode={logger_cfg.get('mode', 'auto')}")
+        check_wandb(
+            {**logger_cfg, "kind": "wandb"},
+            f"the run's logger.mode={logger_cfg.get('mode', 'auto')}",
+            "evaluate with wandb=false, or offline with WANDB_MODE=offline (upload later with `wandb sync`)",
+        )
     if (why := cannot_create(out_dir)) is not None:
         raise RunError(f"cannot write the results to {out_dir} ({why}): give out_dir=<a writable folder>")
     from posenc.evaluate.outputs import print_results

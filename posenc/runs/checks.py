@@ -214,10 +214,15 @@ def wandb_key_configured() -> bool:
         return False
 
 
-def check_wandb(logger: Mapping[str, Any], setting: str = "logger.mode=online") -> None:
+def check_wandb(
+    logger: Mapping[str, Any],
+    setting: str = "logger.mode=online",
+    instead: str = "log offline with logger.mode=offline (upload later with `wandb sync`)",
+) -> None:
     """W&B asked to log online has a key now: without one it would prompt at a terminal, or fail a minute in.
 
-    ``setting``: what asked for it, as the refusal names it (``WANDB_MODE`` in the environment wins over it).
+    ``setting``: what asked for it, as the refusal names it (``WANDB_MODE`` in the environment wins over it);
+    ``instead``: what else the command can do.
     """
     if logger.get("kind", "wandb") != "wandb":
         return
@@ -226,7 +231,7 @@ def check_wandb(logger: Mapping[str, Any], setting: str = "logger.mode=online") 
         asked = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else setting
         raise RunError(
             f"{asked} needs a W&B API key and none is configured (WANDB_API_KEY, or ~/.netrc from `wandb login`): "
-            "log in first, or log offline with logger.mode=offline (upload later with `wandb sync`)"
+            f"log in first, or {instead}"
         )
 
 

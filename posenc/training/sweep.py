@@ -289,7 +289,8 @@ class SweepPreflight(Callback):
                     submitted = str(OmegaConf.select(job_config, "hydra.launcher._target_", default="")).endswith(
                         "SlurmLauncher"
                     )
-                    validate(to_container(task_config), cuda=True if submitted else None)
+                    plain = OmegaConf.to_container(task_config, resolve=True, throw_on_missing=False)
+                    validate(plain, cuda=True if submitted else None)  # type: ignore[arg-type]
                     states.append(job_state(run_dir, to_container(task_config)))
                 except SystemExit as error:  # a bad value, a damaged checkpoint or record: name the job by its values
                     swept = " ".join(o for o in overrides if o not in common) or " ".join(overrides)
