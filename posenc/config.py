@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel
 
 from posenc.model import encoding_label
+from posenc.schema.composed import check_composed, settings_help
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -72,37 +74,6 @@ def _gpus(accelerator: str, devices: Any) -> Any:
     return None if accelerator == "cpu" else devices
 
 
-def _options(*, _root_: DictConfig) -> str:
-    """Every setting of a command's config as ``key=default``, one a line: what its ``--help`` lists to override."""
-    plain = OmegaConf.to_container(_root_, resolve=False)
-    lines = []
-
-    def walk(node: Any, prefix: str) -> None:
-        for key, value in node.items():
-            if prefix == "" and key in ("hydra", "target"):
-                continue
-            if isinstance(value, dict) and value:
-                walk(value, f"{prefix}{key}.")
-            else:
-                lines.append(f"  {prefix}{key}={_as_override(value)}")
-
-    walk(plain, "")
-    return "\n".join(lines)
-
-
-def _as_override(value: Any) -> str:
-    """A value as it is typed on the command line (``[1,2,4]``, ``true``, ``null``)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ",".join(_as_override(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{key}:{_as_override(item)}" for key, item in value.items()) + "}"
-    return str(value)
-
-
 def register_resolvers() -> None:
     """The resolvers run names are made of.
 
@@ -113,7 +84,8 @@ def register_resolvers() -> None:
     scaling, and ``${posenc.lineage:${oc.select:init_from,null}}``: ``-from-alibi`` for a run fine-tuned from an
     ALiBi run, so that the run name says both (``rope-yarn4-from-rope-L256-s0``);
     ``${posenc.gpus:${trainer.accelerator},${trainer.devices}}``: the GPUs per node a SLURM job asks for;
-    ``${posenc.options:}``: every setting as ``key=default`` (the ``--help`` of ``posenc.evaluate``).
+    ``${posenc.options:evaluate}``: every setting as ``key=default``, with what it accepts (the ``--help`` of
+    ``posenc.evaluate``).
     """
     if not OmegaConf.has_resolver("posenc.label"):
         OmegaConf.register_new_resolver("posenc.label", _label)
@@ -126,7 +98,7 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("posenc.gpus"):
         OmegaConf.register_new_resolver("posenc.gpus", _gpus)
     if not OmegaConf.has_resolver("posenc.options"):
-        OmegaConf.register_new_resolver("posenc.options", _options)
+        OmegaConf.register_new_resolver("posenc.options", settings_help)
 
 
 def encoding_choices() -> list[str]:
@@ -173,7 +145,13 @@ _HYDRA_PRINTS = ("help", "hydra_help", "version", "cfg", "info", "shell_completi
 _TRAINER_SET_BY_LOOP = ("self", "logger", "callbacks", "default_root_dir")
 
 
-def check_command_line(args: Sequence[str], config_name: str, command: str, read_elsewhere: Sequence[str] = ()) -> None:
+def check_command_line(
+    args: Sequence[str],
+    config_name: str,
+    command: str,
+    read_elsewhere: Sequence[str] = (),
+    schema: type[BaseModel] | None = None,
+) -> dict[str, Any] | None:
     """Refuse in one line, before Hydra starts, a command line naming an option or a key the config does not have.
 
     Hydra's own refusals are a paragraph (a group option it cannot find ends with its config search path), and a key
@@ -183,6 +161,11 @@ def check_command_line(args: Sequence[str], config_name: str, command: str, read
     ``Trainer`` (``+trainer.max_time=...``). ``read_elsewhere``: top-level keys the command checks itself
     (``posenc.evaluate`` compares ``encoding`` and ``model`` with the checkpoint's). The config is composed here the
     way Hydra will compose it (a sweep as its first job); nothing is written.
+
+    ``schema``: the settings' types and ranges (``posenc.schema``), which a single run's values are checked against
+    here, with the directory Hydra would make for it; a sweep's every job is checked so before its first starts
+    (``posenc.training.sweep.SweepPreflight``), where each can be named. Returns a single run's checked config
+    (plain, resolved), for checks of the machine it will run on; ``None`` otherwise.
     """
     from hydra._internal.utils import get_args_parser  # Hydra's own reading of its command line
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -192,24 +175,26 @@ def check_command_line(args: Sequence[str], config_name: str, command: str, read
         with contextlib.redirect_stderr(io.StringIO()):  # a malformed flag: Hydra's parser says so when it starts
             parsed = get_args_parser().parse_args(list(args))
     except SystemExit:
-        return
+        return None
     if any(getattr(parsed, flag, None) for flag in _HYDRA_PRINTS):
-        return
+        return None
     try:
-        overrides = [o for o in OverridesParser.create().parse_overrides(parsed.overrides) if not o.is_hydra_override()]
+        everything = OverridesParser.create().parse_overrides(parsed.overrides)
     except OverrideParseException as err:
         reason = str(err).splitlines()[0]
         raise SystemExit(
             f"cannot read the override {err.override}: {reason} (quote a value with brackets or spaces for the "
             "shell, e.g. 'eval.multiples=[1,2]')"
         ) from None
+    overrides = [o for o in everything if not o.is_hydra_override()]
     config_dir = Path(parsed.config_dir).expanduser().resolve() if parsed.config_dir else None
     groups = _groups(config_dir)
+    _check_once(overrides, groups)
     for override in overrides:
         if override.key_or_group in groups:
             _check_options(override, groups[override.key_or_group])
     composer = _Composer(parsed.config_name or config_name, config_dir, groups, command)
-    composer.compose(overrides, parsed.multirun)
+    config = composer.compose(overrides, parsed.multirun, [o.input_line for o in everything if o.is_hydra_override()])
     added = [o for o in overrides if (o.is_add() or o.is_force_add()) and o.key_or_group not in groups]
     for override in added:
         key = override.key_or_group
@@ -224,6 +209,31 @@ def check_command_line(args: Sequence[str], config_name: str, command: str, read
             f"unknown key {key} (in {override.input_line}): {_nearest(key, composer.known(others))}; "
             f"{command} --help lists the config"
         )
+    if schema is None:
+        return None
+    if schema.model_fields["encoding"].is_required() and not parsed.multirun:  # a sweep's preflight names the job
+        require_encoding(config, command)
+    return check_composed(config, schema, parsed.multirun)
+
+
+def _check_once(overrides: list[Any], groups: dict[str, list[str]]) -> None:
+    """A config group added twice (``+encoding=alibi +encoding=rope``): say how to give one, or sweep both.
+
+    Hydra refuses it with advice for a YAML defaults list; a group replaced twice (``logger=none logger=csv``) is
+    Hydra's to settle: the last one counts.
+    """
+    seen: dict[str, Any] = {}
+    for override in overrides:
+        group = override.key_or_group
+        if group in groups and override.is_add():
+            if group in seen:
+                first = seen[group]
+                plus = "+" if group == "encoding" else ""
+                raise SystemExit(
+                    f"{group} is chosen twice ({first.input_line} and {override.input_line}): give one; to train "
+                    f"each in turn, sweep them: -m {plus}{group}={first.value()},{override.value()}"
+                )
+            seen[group] = override
 
 
 def _groups(config_dir: Path | None) -> dict[str, list[str]]:
@@ -297,8 +307,11 @@ class _Composer:
         swept = [o for o in self.sweep_params if o.key_or_group not in given]
         return [line for o in [*swept, *overrides] if (line := _first_choice(o, self.groups)) is not None]
 
-    def compose(self, overrides: list[Any], multirun: bool) -> DictConfig:
-        """The config of ``overrides`` (of a sweep's first job); exits with one line where Hydra refuses them."""
+    def compose(self, overrides: list[Any], multirun: bool, hydra_lines: Sequence[str] = ()) -> DictConfig:
+        """The config of ``overrides`` (of a sweep's first job) with Hydra's node; one line where Hydra refuses them.
+
+        ``hydra_lines``: the command line's overrides of Hydra's own settings (``hydra.run.dir=...``).
+        """
         from hydra.core.override_parser.overrides_parser import OverridesParser
         from hydra.errors import HydraException, MissingConfigException
         from omegaconf.errors import OmegaConfBaseException
@@ -308,7 +321,7 @@ class _Composer:
                 params = OmegaConf.select(self._compose([], hydra=True), "hydra.sweeper.params") or {}
                 lines = [f"{key}={value}" for key, value in params.items()]
                 self.sweep_params = OverridesParser.create().parse_overrides(lines)
-            return self._compose(self._lines(overrides))
+            return self._compose([*self._lines(overrides), *hydra_lines], hydra=True)
         except MissingConfigException as err:
             value = str(err.missing_cfg_file or "").rpartition("/")[2]
             options = list(err.options or [])

@@ -21,6 +21,7 @@ import math
 import os
 import secrets
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -165,6 +166,39 @@ def read_record(path: Path) -> Any:
         raise FileNotFoundError(f"no {path.name} in {path.parent}")
     raw = found.read_bytes()
     return json.loads(gzip.decompress(raw) if found.name.endswith(KEPT) else raw)
+
+
+def staging_folder(beside: Path) -> Path:
+    """A fresh hidden folder beside ``beside``, to be renamed over it whole, with the permissions ``mkdir`` gives.
+
+    ``tempfile.mkdtemp`` makes its folder 0700 whatever the umask: renamed into place, it would keep collaborators on
+    shared storage out of results they could read before.
+    """
+    staging = Path(tempfile.mkdtemp(prefix=f".{beside.name}.", dir=beside.parent))
+    mask = os.umask(0)
+    os.umask(mask)
+    staging.chmod(0o777 & ~mask)
+    return staging
+
+
+def cannot_create(folder: Path, write: bool = True) -> str | None:
+    """Why ``folder`` cannot be made (and, with ``write``, written in), or ``None`` when it can; leaves nothing.
+
+    The nearest existing parent is asked by making and removing a folder in it: permissions, a read-only or a
+    pseudo file system, a file in the way all answer as they would for the real one.
+    """
+    folder = folder.expanduser().absolute()
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if existing == folder and not write:
+        return None
+    try:
+        probe = tempfile.mkdtemp(prefix=".posenc-probe-", dir=existing)
+    except OSError as err:
+        return f"cannot make a folder in {existing} ({err.strerror or err})"
+    os.rmdir(probe)
+    return None
 
 
 def _reserve(descriptor: int, length: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, MissingMandatoryValue, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from posenc.config import (
     CONF_DIR,
@@ -39,20 +39,22 @@ from posenc.runs import (
     DONE_FILE,
     FAILED_FILE,
     RunError,
+    check_device,
+    check_wandb,
     inherit,
     read_parent,
     resolve,
     validate,
 )
+from posenc.schema import TrainConfig, refusal
 from posenc.training.sweep import job_state, join_submitit_tasks, wandb_group, wandb_run_id
 
 
 def train(cfg: DictConfig, run_dir: Path, resume_command: str | None = None) -> dict[str, Any]:
     """Check ``cfg``, then train one run into ``run_dir``; return its summary (also ``run_dir/run.json``)."""
-    try:
-        config = to_container(cfg)
-    except MissingMandatoryValue as err:
-        raise RunError(f"{err.full_key} must be set (e.g. {_example(err.full_key)})") from None
+    config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    if (line := refusal(config, TrainConfig)) is not None:  # the values first: resolving a config reads them
+        raise RunError(line)
     # init_from: the parent's checkpoint first, whose resolved length settings an unset one keeps
     parent_run = read_parent(str(config["init_from"])) if config.get("init_from") is not None else None
     unresolved = config
@@ -82,10 +84,6 @@ def _refuse_from_parent(config: dict[str, Any], parent_run: Any) -> None:
         raise
     except Exception:  # an invalid config the lineage cannot even read: the config's own refusal stands
         return
-
-
-def _example(key: str) -> str:
-    return "data.corpus_options.paths=[notes.txt]" if key.endswith("paths") else f"{key}=..."
 
 
 # A terminal's control sequences (colours, cursor moves such as a progress bar's "line up").
@@ -224,6 +222,11 @@ def _main(cfg: DictConfig) -> None:
     try:
         with console_into(run_dir / f"{hydra_config.job.name}.log"):
             train(cfg, run_dir, resume_command)
+    except KeyboardInterrupt:  # outside Lightning's loop, which saves and exits itself: before training, or after
+        if (run_dir / CHECKPOINT).exists():
+            raise SystemExit(f"interrupted: kept {run_dir / CHECKPOINT}; resume with {resume_command}") from None
+        remove_if_only_bookkeeping(run_dir)
+        raise SystemExit("interrupted before training started: nothing was kept") from None
     except RunError as err:
         if not (run_dir / CHECKPOINT).exists():
             remove_if_only_bookkeeping(run_dir)
@@ -243,8 +246,17 @@ def main() -> None:
             flag, _, value = arg.partition("=")
             args[index] = f"{flag}={_config_dir(value)}"
     sys.argv = [sys.argv[0], *args]
-    check_command_line(args, "train", "posenc.train")  # a typo refused in one line, before Hydra makes a run dir
-    _main()
+    try:
+        # a typo, a value of the wrong kind, a GPU or a W&B key the machine lacks: one line before any run directory
+        config = check_command_line(args, "train", "posenc.train", schema=TrainConfig)
+        if config is not None:
+            check_device(config)
+            check_wandb(config["logger"])
+        _main()
+    except KeyboardInterrupt:  # while Hydra starts, before any run directory; or between a sweep's jobs
+        sweep = any(arg in ("-m", "--multirun") for arg in args)
+        kept = "the sweep's finished jobs are kept (the same command resumes it)" if sweep else "nothing was kept"
+        raise SystemExit(f"interrupted: {kept}") from None
 
 
 def _config_dir(value: str) -> str:

@@ -111,7 +111,9 @@ def test_evaluate_help_lists_every_eval_setting(helps: dict[str, tuple[int, str]
     text = helps["evaluate"][1]
     assert text.startswith("python -m posenc.evaluate <run dir or checkpoint.ckpt>")
     for setting in ("eval.multiples=[1,2,4,8,16,32]", "eval.mode=nonoverlap", "eval.rope_scaling=null", "device=auto"):
-        assert f"  {setting}\n" in text
+        assert f"\n  {setting} " in text
+    # what each accepts, from the schema
+    assert "  eval.mode=nonoverlap" + " " * 22 + "  one of nonoverlap, sliding: disjoint windows" in text
 
 
 def test_bench_help_lists_its_settings(helps: dict[str, tuple[int, str]]) -> None:

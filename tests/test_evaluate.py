@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -370,6 +372,43 @@ def test_standalone_evaluate_writes_results(trained_run: Path, tmp_path: Path) -
     assert saved["precision"] == "32-true"  # trained on CPU in fp32: evaluated in it
     assert (trained_run / "eval_sliding_s8_multiples1-2_max_tokens512" / "ppl_vs_length.png").exists()
     assert list(tmp_path.iterdir()) == []  # nothing written to the working directory
+    mask = os.umask(0)
+    os.umask(mask)
+    folder = trained_run / "eval_sliding_s8_multiples1-2_max_tokens512"
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~mask  # as mkdir makes it: collaborators read it as before
+
+
+def test_lengths_the_sample_cannot_fill_are_said_in_results_and_on_the_console(
+    trained_run: Path, tmp_path: Path
+) -> None:
+    result = _evaluate(str(trained_run), "eval.multiples=[1,100000]", "eval.max_tokens=256", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = json.loads((trained_run / "eval_multiples1-100000" / "results.json").read_text())
+    rows = {row["length"]: row for row in saved["perplexity"]}
+    assert rows[16]["error"] is None and rows[1_600_000]["ppl"] is None
+    assert rows[1_600_000]["error"].startswith("not evaluated: the sample holds")
+    assert "1600000" in result.stdout and "raise eval.max_tokens" in result.stdout
+
+
+def test_ctrl_c_during_an_evaluation_ends_in_one_line_and_keeps_the_folder(trained_run: Path, tmp_path: Path) -> None:
+    before = (trained_run / "eval" / "results.json").read_bytes()
+    evaluation = subprocess.Popen(
+        [sys.executable, "-m", "posenc.evaluate", str(trained_run)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert evaluation.stdout is not None
+    started = evaluation.stdout.readline()
+    assert started.startswith(f"evaluating {trained_run}"), started  # said at once, before the work
+    evaluation.send_signal(signal.SIGINT)
+    _, stderr = evaluation.communicate(timeout=120)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert evaluation.returncode == 1 and "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and lines[0].startswith("interrupted"), stderr
+    assert f"{trained_run / 'eval'} is as it was" in lines[0] or "nothing was written" in lines[0]
+    assert (trained_run / "eval" / "results.json").read_bytes() == before
 
 
 def test_a_bf16_mixed_run_is_evaluated_in_bf16_mixed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,6 @@ from posenc.evaluate.heldout import heldout_perplexity
 from posenc.evaluate.outputs import print_results
 from posenc.evaluate.perplexity import evaluate_lengths
 from posenc.model import Decoder
-from posenc.runs.checks import eval_problems
 
 SIZES = [10, 300, 50, 700, 129, 64]  # contents in tokens; a window of 128 needs 129 (300, 700 and 129 have them)
 LENGTHS = [16, 32, 64, 128]
@@ -92,9 +91,3 @@ def test_a_split_without_long_documents_says_so_at_every_length() -> None:
     ]
     assert record["documents"] == [] and record["too_short"] == 2
     assert all(math.isnan(row.loss) for row in rows)
-
-
-def test_the_sample_is_a_setting_the_checks_know() -> None:
-    base = {"multiples": [1, 2], "mode": "nonoverlap"}
-    assert not [p for p in eval_problems({**base, "sample": "long_documents"}) if "sample" in p]
-    assert any("must be documents, head or long_documents" in p for p in eval_problems({**base, "sample": "tail"}))

@@ -67,8 +67,8 @@ def test_csv_logger_records_metrics(tmp_path: Path) -> None:
     overrides = [o for o in FAST if not o.startswith("logger")] + ["logger=csv", "trainer.log_every_n_steps=1"]
     train(compose_train("+encoding=alibi", *overrides), tmp_path)
     header = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()[0]
-    names = ("train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW/weights", "eval/nonoverlap/ppl@2x")
-    for column in (*names, "eval/nonoverlap/ppl_ratio@4x"):
+    names = ("train/loss", "train/ppl", "val/loss", "val/ppl", "lr-AdamW/weights", "eval/nonoverlap/ppl@002x")
+    for column in (*names, "eval/nonoverlap/ppl_ratio@004x"):
         assert column in header
 
 

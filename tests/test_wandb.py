@@ -1,7 +1,8 @@
 """W&B as a user browses it, read back from an offline run: the config once, every metric once under its
-protocol's keys (eval/nonoverlap/ppl@4x), named learning rates, charts and images on separate keys, loss by position
-for every length; a re-evaluation and a resumed run continue the run's own W&B run (resumed by id) and its history
-(W&B's step never restarts at 0), a re-evaluation under the same keys with its settings in the config."""
+protocol's keys (eval/nonoverlap/ppl@004x, multiples zero-padded to sort), named learning rates, charts and images on
+separate keys, loss by position for every length; a re-evaluation and a resumed run continue the run's own W&B run
+(resumed by id) and its history (W&B's step never restarts at 0); a side evaluation logs under keys of its own, with
+its settings in the config, and leaves the run's own evaluation's keys alone."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from helpers import FAST, compose_train
 from wandb.proto import wandb_internal_pb2
 
+from posenc.evaluate import sortable
 from posenc.train import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,8 +121,11 @@ def test_offline_run_holds_the_config_once_and_every_metric_once(run_dir: Path) 
     assert "config" not in config and config["encoding"]["name"] == "kerple_log"  # top level, once
     results = json.loads((run_dir / "eval" / "results.json").read_text())
     for key, value in results["summary"].items():
-        assert summary[f"eval/nonoverlap/{key}"] == pytest.approx(value)
+        assert summary[f"eval/nonoverlap/{sortable(key)}"] == pytest.approx(value)
         assert key not in summary and f"eval/{key}" not in summary  # not a second time outside the namespace
+    assert sorted(k for k in summary if k.startswith("eval/nonoverlap/ppl@")) == [
+        f"eval/nonoverlap/ppl@{m:03d}x" for m in (1, 2, 4)
+    ]  # in numeric order as W&B lists them
     assert config["eval/nonoverlap"]["max_tokens"] == 256 and config["eval/nonoverlap"]["folder"] == "eval"
     # the learning rates by the name of their group, not lr-AdamW/pg1..pg3
     assert {"lr-AdamW/weights", "lr-AdamW/norms_and_biases", "lr-AdamW/scheme"} <= set(summary)
@@ -135,7 +140,7 @@ def test_offline_run_holds_the_config_once_and_every_metric_once(run_dir: Path) 
     assert {row[0] for row in table["data"]} == {16, 32, 64}  # every evaluated length
 
 
-def test_reevaluation_continues_the_runs_own_wandb_under_the_same_keys(run_dir: Path, tmp_path: Path) -> None:
+def test_a_side_evaluation_continues_the_runs_own_wandb_under_keys_of_its_own(run_dir: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
     same = [o for o in FAST if o.startswith("eval.") and o != "eval.plots=false"]
     command = [sys.executable, "-m", "posenc.evaluate", str(run_dir), *same, "eval.max_tokens=128"]
@@ -147,11 +152,13 @@ def test_reevaluation_continues_the_runs_own_wandb_under_the_same_keys(run_dir: 
     run_id, config, summary = _read_run(runs[-1])
     assert run_id == (run_dir / "wandb_id").read_text().strip()  # the same W&B run, resumed
     beside = json.loads((run_dir / "eval_max_tokens128" / "results.json").read_text())["summary"]
-    assert summary["eval/nonoverlap/ppl@1x"] == pytest.approx(beside["ppl@1x"])  # the protocol's keys, not a folder's
-    assert not any(key.startswith("eval_max_tokens128") for key in summary)
-    assert (
-        config["eval/nonoverlap"]["max_tokens"] == 128 and config["eval/nonoverlap"]["folder"] == "eval_max_tokens128"
-    )
+    namespace = "eval/nonoverlap_max_tokens128"
+    assert summary[f"{namespace}/ppl@001x"] == pytest.approx(beside["ppl@1x"])  # the folder's keys
+    assert not any(
+        key.startswith("eval/nonoverlap/") for key in summary
+    )  # the run's own evaluation's stay as they were
+    assert config[namespace]["max_tokens"] == 128 and config[namespace]["folder"] == "eval_max_tokens128"
+    assert "eval/nonoverlap" not in config
     assert min(_steps(runs[-1])) > max(_steps(runs[0]))  # the history goes on past training's last step
 
 

@@ -50,7 +50,7 @@ def test_the_view_overlays_the_schemes_of_one_group() -> None:
         assert chart.query == {"summaryTable": {"tableKey": "eval/nonoverlap/perplexity_table"}}
         assert chart.chart_fields == {"x": "length", "y": y, "stroke": "label"}
     assert isinstance(cost, wr.ScatterPlot)
-    assert (cost.x, cost.y) == ("train/tokens_per_sec", "eval/nonoverlap/ppl_ratio@4x")  # the longest length
+    assert (cost.x, cost.y) == ("train/tokens_per_sec", "eval/nonoverlap/ppl_ratio@004x")  # the longest length
     assert view.sections[1].panels[0].query["summaryTable"]["tableKey"] == "eval/sliding_f0.5/perplexity_table"
     (drift,) = view.sections[2].panels
     assert isinstance(drift, wr.LinePlot) and drift.y == ["drift/max"] and drift.x == "trainer/global_step"

@@ -85,7 +85,13 @@ def text_corpus(paths: Sequence[str], val_percent: float = 5.0, test_percent: fl
     files = sorted(
         {Path(p).resolve() for pattern in paths for p in glob.glob(os.path.expanduser(pattern), recursive=True)}
     )
+    folders = [pattern for pattern in paths if Path(os.path.expanduser(pattern)).is_dir()]
     files = [f for f in files if f.is_file()]
+    if not files and folders:
+        raise FileNotFoundError(
+            f"data=text: {folders[0]} is a folder: give its files as a glob, e.g. "
+            f"data.corpus_options.paths=['{folders[0].rstrip('/')}/**/*.txt']"
+        )
     if not files:
         raise FileNotFoundError(
             f"data=text found no files for {list(paths)}: set data.corpus_options.paths to existing files or globs"

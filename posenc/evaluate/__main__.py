@@ -22,46 +22,84 @@ from omegaconf import DictConfig
 
 from posenc.config import CONF_DIR, check_command_line, to_container
 from posenc.evaluate import sliding_dir
-from posenc.jsonio import DiskFullError
+from posenc.jsonio import DiskFullError, cannot_create
 from posenc.runs import (
     EVALUATE_USAGE,
     RunError,
     build_datamodule,
     check_consistency,
     check_data,
+    check_wandb,
     checkpoint_training,
-    eval_problems,
     experiment_settings,
     load_checkpoint,
     load_module,
+    read_checkpoint,
     resolve_checkpoint,
     run_info,
     update_run_summary,
 )
+from posenc.schema import EvaluateConfig
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="evaluate")
 def _main(cfg: DictConfig) -> None:
     checkpoint, run_dir = resolve_checkpoint(cfg.target)
     eval_cfg = to_container(cfg.eval)
-    problems = eval_problems(eval_cfg)
-    if problems:
-        raise RunError("; ".join(problems))
-    from posenc.evaluate.drift import from_checkpoint as drift_from_checkpoint
-    from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO, check_thresholds
-    from posenc.evaluate.runner import evaluate_model, print_results, replace_outputs, scaling_tag
-
-    try:
-        scaling_tag(eval_cfg)  # half a scaling setting is refused before the model loads
-        check_thresholds(
-            float(eval_cfg.get("effective_ppl_ratio", DEFAULT_PPL_RATIO)),
-            float(eval_cfg.get("effective_acc_fraction", DEFAULT_ACC_FRACTION)),
-            eval_cfg.get("effective_ppl_threshold"),
-            eval_cfg.get("effective_acc_threshold"),
+    device = _device(cfg.device)
+    config = read_checkpoint(checkpoint)[1]
+    task = config["data"].get("task")
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else run_dir / eval_dir_name(eval_cfg, config.get("eval") or {}, task)
+    logger_cfg = config.get("logger") or {}
+    wandb = cfg.wandb is True or (cfg.wandb == "auto" and logger_cfg.get("kind") == "wandb")
+    if wandb:  # the run's own W&B run, online only with a key: never a prompt
+        check_wandb(
+            {**logger_cfg, "kind": "wandb"},
+            f"the run's logger.mode={logger_cfg.get('mode', 'auto')}",
+            "evaluate with wandb=false, or offline with WANDB_MODE=offline (upload later with `wandb sync`)",
         )
-    except ValueError as err:
-        raise RunError(str(err)) from None
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if (why := cannot_create(out_dir)) is not None:
+        raise RunError(f"cannot write the results to {out_dir} ({why}): give out_dir=<a writable folder>")
+    from posenc.evaluate.outputs import print_results
+
+    multiples = ", ".join(f"{m}×" for m in eval_cfg["multiples"])
+    print(f"evaluating {checkpoint} at {multiples} the training length into {out_dir} (Ctrl-C stops it)", flush=True)
+    kept = f"{out_dir} is as it was" if out_dir.exists() else f"nothing was written ({out_dir} does not exist)"
+    try:
+        results, images = _evaluate(cfg, checkpoint, run_dir, eval_cfg, device, out_dir)
+        kept = f"{out_dir} holds this evaluation's results"
+        print_results(results)
+        if wandb:
+            kept += "; W&B may hold part of them"
+            _log_to_wandb(results, run_dir, images, config, folder=out_dir.name)
+    except KeyboardInterrupt:
+        raise SystemExit(f"interrupted: {kept}") from None
+    print(f"\nwrote {out_dir}/results.json and {len(images)} plot(s)")  # the last line: where the results are
+
+
+def _device(asked: str) -> str:
+    """The device to evaluate on; one line where the one asked for is not on this machine."""
+    if asked == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if asked.startswith("cuda") and not torch.cuda.is_available():
+        raise RunError(
+            f"device={asked}: this machine has no CUDA GPU (torch.cuda.is_available() is false): use device=cpu, "
+            "or device=auto (cuda when there is one)"
+        )
+    if asked.startswith("cuda:") and int(asked.partition(":")[2]) >= torch.cuda.device_count():
+        raise RunError(f"device={asked}: this machine has {torch.cuda.device_count()} CUDA GPU(s), cuda:0 first")
+    if asked == "mps" and not torch.backends.mps.is_available():
+        raise RunError("device=mps: this machine has no Apple GPU (MPS): use device=cpu or device=auto")
+    return asked
+
+
+def _evaluate(
+    cfg: DictConfig, checkpoint: Path, run_dir: Path, eval_cfg: dict[str, Any], device: str, out_dir: Path
+) -> tuple[dict[str, Any], list[Path]]:
+    """Load the trained module, evaluate it, write its folder (whole or not at all); the results and plots."""
+    from posenc.evaluate.drift import from_checkpoint as drift_from_checkpoint
+    from posenc.evaluate.runner import evaluate_model, replace_outputs
+
     module, config = load_module(checkpoint, device, cfg.attention)
     check_consistency(config, run_dir, cfg)
     task = config["data"].get("task")
@@ -96,19 +134,13 @@ def _main(cfg: DictConfig) -> None:
         )
     except ValueError as err:  # a setting the model cannot honour (e.g. RoPE scaling of a model without RoPE)
         raise RunError(str(err)) from None
-    trained_eval = config.get("eval") or {}
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else run_dir / eval_dir_name(eval_cfg, trained_eval, task)
     try:
         images = replace_outputs(results, out_dir, plots=eval_cfg["plots"])
         if out_dir.resolve() == (run_dir / "eval").resolve():
             update_run_summary(run_dir, results["summary"])
     except DiskFullError as full:
         raise RunError(f"{full}; {out_dir} is as it was. Free space, then run the same command again") from None
-    print_results(results)
-    logged_to_wandb = config["logger"].get("kind") == "wandb"
-    if cfg.wandb is True or (cfg.wandb == "auto" and logged_to_wandb):
-        _log_to_wandb(results, run_dir, images, config, folder=out_dir.name)
-    print(f"\nwrote {out_dir}/results.json and {len(images)} plot(s)")  # the last line: where the results are
+    return results, images
 
 
 # Hydra's flags that print and run nothing (--help lists the eval.* options).
@@ -160,8 +192,9 @@ def _log_to_wandb(
 ) -> None:
     """Resume the run's own W&B run (its id from the saved config or ``wandb_id``) and log past its last step.
 
-    The figures land under the protocol's keys (``eval/nonoverlap/ppl@4x``), the same a training run's evaluation
-    uses, with the settings they come from in the run's config (``posenc.evaluate.wandb_tables``).
+    The figures land under the keys of ``folder`` (``posenc.evaluate.wandb_namespace``): the run's own evaluation
+    (``eval/``) under its protocol's, as training logged it (``eval/nonoverlap/ppl@004x``); a side evaluation
+    (``eval_max_tokens4096/``) under keys of its own, so that it never overwrites the run's summary.
     """
     from posenc.evaluate.wandb_tables import log_results
     from posenc.runs import WANDB_ID_FILE
@@ -205,9 +238,18 @@ def main() -> None:
     target = positional[0].replace("\\", "\\\\").replace("'", "\\'")
     rest = [a for a in args if a != positional[0]]
     # encoding and model are the checkpoint's: check_consistency refuses an override that contradicts them
-    check_command_line(rest, "evaluate", "posenc.evaluate", read_elsewhere=("encoding", "model"))
+    check_command_line(
+        [f"target='{target}'", *rest],
+        "evaluate",
+        "posenc.evaluate",
+        read_elsewhere=("encoding", "model"),
+        schema=EvaluateConfig,
+    )
     sys.argv = [sys.argv[0], f"target='{target}'", *rest]
-    _main()
+    try:
+        _main()
+    except KeyboardInterrupt:  # before the evaluation began (Hydra starting): nothing of it was written
+        raise SystemExit("interrupted before the evaluation began: nothing was written") from None
 
 
 if __name__ == "__main__":

@@ -28,24 +28,38 @@ def heldout_perplexity(
         stream, eval_cfg.get("max_tokens"), eval_cfg.get("sample") or "head", int(eval_cfg.get("seed", 1234))
     )
     available = [length for length in lengths if length < len(held.tokens)]
-    rows = evaluate_lengths(
-        model,
-        held.tokens,
-        available,
-        mode=eval_cfg["mode"],
-        stride=eval_cfg.get("stride"),
-        max_tokens=eval_cfg.get("max_tokens"),
-        tokens_per_batch=tokens_per_batch,
-        stride_fraction=eval_cfg.get("stride_fraction"),
-        documents=held.documents,
+    rows = (
+        evaluate_lengths(
+            model,
+            held.tokens,
+            available,
+            mode=eval_cfg["mode"],
+            stride=eval_cfg.get("stride"),
+            max_tokens=eval_cfg.get("max_tokens"),
+            tokens_per_batch=tokens_per_batch,
+            stride_fraction=eval_cfg.get("stride_fraction"),
+            documents=held.documents,
+        )
+        if available
+        else []
     )
-    record = held.describe(rows[0].tokens)
+    record = held.describe(rows[0].tokens if rows else 0)
     for row in rows:
         if row.document_loss is not None:
             row.document_loss = [row.document_loss[i] for i in record["documents"]]
         if row.document_tokens is not None:
             row.document_tokens = [row.document_tokens[i] for i in record["documents"]]
-    return rows, record
+    for length in sorted(set(lengths) - set(available)):  # a row that says why, in results.json and on the console
+        rows.append(LengthResult(length, eval_cfg["mode"], None, 0, error=_too_long(len(held.tokens), eval_cfg)))
+    return sorted(rows, key=lambda row: row.length), record
+
+
+def _too_long(tokens: int, eval_cfg: Mapping[str, Any]) -> str:
+    """Why a length longer than the held-out sample has no row of figures, and what would give it one."""
+    budget = eval_cfg.get("max_tokens")
+    where = f"eval.max_tokens={budget}" if budget is not None else f"the whole {eval_cfg.get('split')} split"
+    more = "raise eval.max_tokens" if budget is not None else "evaluate on a longer split"
+    return f"not evaluated: the sample holds {tokens} tokens ({where}), too few for one window; {more}"
 
 
 def within_documents(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import io
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO
 from posenc.evaluate.mqar import console_lines as mqar_lines
 from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
-from posenc.jsonio import DiskFullError, write_json, write_text
+from posenc.jsonio import DiskFullError, staging_folder, write_json, write_text
 from posenc.runs import provenance
 
 TASK_NAMES = ("passkey", "copy", *RETRIEVAL_TASKS)
@@ -34,7 +33,7 @@ def replace_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) 
     A full disk names the file as it would have been in ``out_dir``, and leaves ``out_dir`` as it was.
     """
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging = staging_folder(out_dir)
     try:
         try:
             images = write_outputs(results, staging, plots=plots)
@@ -233,6 +232,9 @@ def print_results(results: dict[str, Any]) -> None:
                 f"attention {stat} (mean over layers and heads) by length: "
                 + ", ".join(f"{k.split('@')[1]} {v:.3g}" for k, v in values.items())
             )
+    skipped = results.get("not_evaluated")  # results.json says it too
+    if skipped:
+        print(f"not evaluated at {', '.join(map(str, skipped['lengths']))} tokens: {skipped['reason']}")
 
 
 def mqar_distance_plot(results: dict[str, Any], path: Path) -> Path:

@@ -7,7 +7,7 @@ reads), ``perplexity.csv``, ``loss_by_position.csv``, task CSVs and plots.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,6 @@ from posenc.evaluate.retrieval import evaluate_retrieval_tasks
 from posenc.evaluate.tasks import evaluate_copy, evaluate_passkey
 from posenc.evaluate.wandb_tables import log_results
 from posenc.runs import CHECKPOINT, global_batch, read_checkpoint, training_record
-from posenc.runs.checks import ATTENTION_SCALES
 from posenc.runtime import eager_modules as eager_blocks  # compiled blocks run uncompiled in evaluation
 from posenc.runtime import precision_context
 
@@ -95,8 +94,6 @@ def attention_scaling(model: nn.Module, eval_cfg: dict[str, Any], run_info: dict
     if scale is None:
         yield run_info
         return
-    if scale not in ATTENTION_SCALES:
-        raise ValueError(f"eval.attention_scale={scale!r} must be null or one of {', '.join(ATTENTION_SCALES)}")
     attentions = [block.attn for block in model.blocks]
     if any(attention.encoding.scales_with_length for attention in attentions):
         raise ValueError(
@@ -168,11 +165,19 @@ def _evaluate(
         ]
         results["loss_by_position"] = {str(r.length): r.loss_by_position for r in rows if not r.error}
     seed = int(eval_cfg.get("seed", 1234))
+    beyond: set[int] = set()  # task lengths past what the model represents (its perplexity rows say so themselves)
+
+    def within(multiples: Sequence[float]) -> list[int]:
+        asked = [int(m * train_len) for m in multiples]
+        kept = supported(asked, model)
+        beyond.update(set(asked) - set(kept))
+        return kept
+
     for name in ("passkey", "copy"):
         options = eval_cfg.get(name) or {}
         enabled = options.get("enabled", "auto")
         if enabled is True or (enabled == "auto" and task == name):
-            task_lengths = supported([int(m * train_len) for m in options["multiples"]], model)
+            task_lengths = within(options["multiples"])
             if name == "passkey":
                 results["passkey"] = evaluate_passkey(
                     model, task_lengths, options["depths"], options["samples"], seed, batch_tokens
@@ -180,21 +185,18 @@ def _evaluate(
             else:
                 results["copy"] = evaluate_copy(model, task_lengths, options["samples"], seed, batch_tokens)
     task_options = ((run_info.get("config") or {}).get("data") or {}).get("task_options")
-    results |= evaluate_retrieval_tasks(
-        model,
-        eval_cfg,
-        task,
-        lambda multiples: supported([int(m * train_len) for m in multiples], model),
-        batch_tokens,
-        task_options,
-    )
+    results |= evaluate_retrieval_tasks(model, eval_cfg, task, within, batch_tokens, task_options)
+    if beyond:
+        reason = f"{run_info['label']} represents at most {model.max_positions} positions (max_positions)"
+        results["not_evaluated"] = {"lengths": sorted(beyond), "reason": reason}
     if eval_cfg.get("attention_stats"):
         windows_for = stats_windows(stream, task, int(eval_cfg.get("attention_stats_tokens", 4096)), seed, task_options)
         stats_lengths = [n for n in supported(lengths, model) if stream is None or n < len(stream)]
         results["attention_stats"] = attention_stats_by_length(
             model, stats_lengths, windows_for, train_len, batch_tokens
         )
-    results["learned_bias"] = first_layer_bias(model, max(lengths))
+    scored = [row["length"] for row in results.get("perplexity", []) if row["error"] is None]
+    results["learned_bias"] = first_layer_bias(model, max(scored or lengths))
     results["effective_length"] = both_rules(results)
     results["summary"] = summary_metrics(results)
     return results

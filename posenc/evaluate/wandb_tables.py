@@ -1,8 +1,10 @@
 """An evaluation's figures in the loggers: scalars everywhere, tables and charts in W&B (each once, one namespace).
 
-The namespace is the protocol (``eval/nonoverlap/``, ``eval/sliding_f0.5/``), never the folder a re-evaluation
-writes to: evaluating a run again with another sample (``eval.max_tokens``, ``eval.split``) updates the same keys,
-and the settings each protocol's latest figures come from are in the run's W&B config (``eval/<protocol>``).
+The namespace is the evaluation's folder's (``posenc.evaluate.wandb_namespace``): the run's own evaluation logs under
+its protocol (``eval/nonoverlap/``, ``eval/sliding_f0.5/``), a side evaluation with another sample under a namespace of
+its own (``eval/nonoverlap_max_tokens4096/``), so the run's summary keeps its own figures; the settings each namespace's
+figures come from are in the run's W&B config under the same name. Multiples are zero-padded in the keys
+(``ppl@004x``, ``posenc.evaluate.sortable``), so that W&B lists them in numeric order.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from lightning.pytorch.loggers import Logger, WandbLogger
 
 from posenc.data.retrieval import RETRIEVAL_TASKS
-from posenc.evaluate import protocol_name
+from posenc.evaluate import sortable, wandb_namespace
 from posenc.evaluate.plots import smooth
 
 TASK_TABLES = (
@@ -34,9 +36,9 @@ RUNTIME_SETTINGS = ("at_end", "plots", "tokens_per_batch", "sliding_fractions")
 def log_results(
     results: dict[str, Any], loggers: list[Logger], images: list[Path], step: int | None, folder: str = "eval"
 ) -> None:
-    """Every figure once, under ``eval/<protocol>/`` (``protocol_name``); ``folder``: where its files are.
+    """Every figure once, under the namespace of ``folder``, where its files are (``wandb_namespace``).
 
-    Scalars (``eval/nonoverlap/ppl@4x``) go to every logger, which also makes them W&B's summary. W&B further gets
+    Scalars (``eval/nonoverlap/ppl@004x``) go to every logger, which also makes them W&B's summary. W&B further gets
     the settings they come from (config ``eval/<protocol>``: the evaluation's settings and its folder), a line chart
     of perplexity by length and one of loss by position (a line per length), each with its table
     (``eval/nonoverlap/perplexity_table``, ``…/loss_by_position_table``, logged with the chart, once), the task
@@ -45,9 +47,9 @@ def log_results(
     tables compare directly. ``step``: W&B's step, the optimizer step at the end of training, past the run's last
     logged step for a re-evaluation (``posenc.runs.loggers.SteppedWandbLogger``).
     """
-    namespace = f"eval/{protocol_name(results.get('eval') or {})}"
+    namespace = wandb_namespace(results.get("eval") or {}, folder)
     for logger in loggers:
-        logger.log_metrics({f"{namespace}/{k}": v for k, v in results["summary"].items()}, step=step)
+        logger.log_metrics({f"{namespace}/{sortable(k)}": v for k, v in results["summary"].items()}, step=step)
         if not isinstance(logger, WandbLogger):
             continue
         import wandb

@@ -71,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"{flag} {number:g} must be {bounds}")
     if not args.paths and not args.wandb:
         parser.error("give run/sweep directories, or --wandb ENTITY/PROJECT")
+    missing = [path for path in args.paths if not Path(path).exists()]
+    if missing:
+        raise SystemExit(f"{missing[0]} does not exist: give sweep or run directories, or results.json files")
     unreadable: list[str] = []
     results = find_results(args.paths, unreadable)
     if not results and unreadable:
@@ -79,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"left out (named in report.md): {problem}", file=sys.stderr)
     if args.wandb:
         results += results_from_wandb(args.wandb, args.group)
+    view_group = _view_group(args.wandb_view, args.group, results) if args.wandb_view else None
     if args.study:
         if args.out is None or args.out.suffix != ".md" or args.wandb:
             raise SystemExit("--study writes a document from run directories: give --out docs/results/<name>.md")
@@ -110,21 +114,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"posenc.report: {full}; report.md is as it was. Free space, then: {again}") from None
     print(markdown)
     print(f"wrote {out_dir / 'report.md'}")
-    if args.wandb_view:
-        print(_save_view(args.wandb_view, args.group, results, out_dir))
+    if args.wandb_view and view_group is not None:
+        from posenc.report.wandb_view import save_view
+        from posenc.runs.loggers import resolve_wandb_mode
+
+        print(save_view(args.wandb_view, view_group, results, out_dir, resolve_wandb_mode("auto")))
 
 
-def _save_view(entity_project: str, group: str | None, results: list[dict], out_dir: Path) -> str:
-    """The W&B view of the sweep's group (``posenc/report/wandb_view.py``): saved online, its spec written offline."""
-    from posenc.report.wandb_view import save_view
-    from posenc.runs.loggers import resolve_wandb_mode
+def _view_group(entity_project: str, group: str | None, results: list[dict]) -> str:
+    """The W&B group ``--wandb-view`` shows (``posenc/report/wandb_view.py``), checked before the report is built."""
+    from posenc.report.wandb_view import view_target
 
+    view_target(entity_project)
     groups = {((r.get("config") or {}).get("logger") or {}).get("group") for r in results} - {None}
     if group is None and len(groups) != 1:
         found = f"the runs log to {', '.join(sorted(groups))}" if groups else "the runs name no W&B group"
         raise SystemExit(f"--wandb-view needs --group <W&B group>: {found}")
-    return save_view(entity_project, group or groups.pop(), results, out_dir, resolve_wandb_mode("auto"))
+    return group or groups.pop()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # every file is written whole or not at all: what was there is intact
+        raise SystemExit("interrupted: report.md and each plot are either as they were or whole") from None

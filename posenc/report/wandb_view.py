@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posenc.evaluate import protocol_name
+from posenc.evaluate import protocol_name, sortable
 from posenc.jsonio import write_text
 
 VIEW_FILE = "wandb_view.json"
@@ -43,14 +43,20 @@ def protocols(results: Sequence[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(longest.items(), key=lambda item: (item[0] != "nonoverlap", item[0])))
 
 
+def view_target(entity_project: str) -> tuple[str, str]:
+    """(entity, project) of ``--wandb-view ENTITY/PROJECT``; one line for anything else, before the report is built."""
+    entity, _, project = entity_project.partition("/")
+    if not entity or not project or "/" in project:
+        raise SystemExit(f"--wandb-view {entity_project}: give ENTITY/PROJECT, e.g. --wandb-view my-team/posenc")
+    return entity, project
+
+
 def build_view(entity_project: str, group: str, results: Sequence[dict[str, Any]]) -> Any:
     """The W&B workspace (``wandb_workspaces.workspaces.Workspace``) for ``group``'s runs; nothing is sent."""
     import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
 
-    entity, _, project = entity_project.partition("/")
-    if not entity or not project or "/" in project:
-        raise SystemExit(f"--wandb-view {entity_project}: give ENTITY/PROJECT, e.g. --wandb-view my-team/posenc")
+    entity, project = view_target(entity_project)
     found = protocols(results) or {"nonoverlap": 1}
     sections = []
     for name, longest in found.items():
@@ -75,7 +81,7 @@ def build_view(entity_project: str, group: str, results: Sequence[dict[str, Any]
                     wr.ScatterPlot(
                         title=f"cost: ratio at {longest}× against training tokens/s ({name})",
                         x="train/tokens_per_sec",
-                        y=f"eval/{name}/ppl_ratio@{longest}x",
+                        y=sortable(f"eval/{name}/ppl_ratio@{longest}x"),
                         log_x=True,
                     ),
                 ],

@@ -196,6 +196,10 @@ def resolve_checkpoint(target: str) -> tuple[Path, Path]:
         if not checkpoint.exists():
             raise RunError(f"no checkpoint at {checkpoint}: is {path} a posenc run directory that finished a step?")
         return checkpoint, path
+    if path.is_file() and path.suffix != ".ckpt":  # results.json, a plot: a file of a run, not its weights
+        run = next((folder for folder in path.parents if (folder / CHECKPOINT).is_file()), None)
+        where = f"evaluate its run: python -m posenc.evaluate {run}" if run is not None else EVALUATE_USAGE
+        raise RunError(f"{target} is not a checkpoint (a .ckpt file): {where}")
     if path.is_file():
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return path, run_dir

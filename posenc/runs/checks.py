@@ -6,13 +6,17 @@ everything else is the experiment (``experiment_settings``), which a relaunch mu
 
 from __future__ import annotations
 
-import math
+import importlib.util
+import netrc
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 from posenc.data.tokenizer import ByteTokenizer
 from posenc.runs.records import RunError, read_json
+from posenc.schema import TrainConfig, refusal
 
 if TYPE_CHECKING:
     from posenc.data.datamodule import TaskDataModule, TextDataModule
@@ -41,11 +45,6 @@ RUNTIME_KEYS = (
     "data.cache_dir",
     "eval.plots",
 )
-
-# Evaluation-time attention scalings (``eval.attention_scale``): log_n = max(1, log n / log L_train) on every query
-# (``posenc/encodings/ssmax.py``, ``LengthScaling``).
-ATTENTION_SCALES = ("log_n",)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # What a run is
@@ -87,83 +86,6 @@ def experiment_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Checks before any work
-
-
-def _whole(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and float(value).is_integer()
-
-
-def config_problems(config: Mapping[str, Any]) -> list[str]:
-    """Everything wrong with the values a run will use, found without building anything (one line each)."""
-    problems = []
-    data, model, trainer, optim, evaluation = (config[k] for k in ("data", "model", "trainer", "optim", "eval"))
-    for key, value in (
-        ("data.seq_len", data["seq_len"]),
-        ("data.batch_size", data["batch_size"]),
-        ("trainer.max_steps", trainer["max_steps"]),
-        ("model.dim", model["dim"]),
-        ("model.heads", model["heads"]),
-        ("model.depth", model["depth"]),
-    ):
-        if not _whole(value) or value < 1:
-            problems.append(f"{key}={value!r} must be a whole number ≥ 1")
-    lr = optim["lr"]
-    if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
-        problems.append(f"optim.lr={lr!r} must be a positive number (e.g. optim.lr=1e-3)")
-    multiplier = optim.get("scheme_lr_multiplier", 1.0)
-    if isinstance(multiplier, bool) or not isinstance(multiplier, int | float) or not multiplier > 0:
-        problems.append(f"optim.scheme_lr_multiplier={multiplier!r} must be a positive number (1.0: the model's lr)")
-    problems += eval_problems(evaluation)
-    if model.get("context_scaling") and evaluation.get("rope_scaling") is not None:
-        problems.append(
-            "model.context_scaling and eval.rope_scaling both stretch RoPE, and the evaluation's would replace the "
-            "one the model trains with: drop eval.rope_scaling"
-        )
-    if not problems and model["dim"] % model["heads"]:
-        near = max(model["heads"], round(model["dim"] / model["heads"]) * model["heads"])
-        problems.append(
-            f"model.dim={model['dim']} is not divisible by model.heads={model['heads']}: "
-            f"choose a multiple, e.g. model.dim={near}"
-        )
-    return problems
-
-
-def eval_problems(evaluation: Mapping[str, Any]) -> list[str]:
-    """What is wrong with an ``eval`` config (lengths, mode, stride), one line each."""
-    problems: list[str] = []
-    for key, multiples in (
-        ("eval.multiples", evaluation["multiples"]),
-        ("eval.passkey.multiples", (evaluation.get("passkey") or {}).get("multiples", [])),
-        ("eval.copy.multiples", (evaluation.get("copy") or {}).get("multiples", [])),
-    ):
-        if not multiples or any(not _whole(m) or m < 1 for m in multiples):
-            problems.append(
-                f"{key}={multiples} must list whole multiples of the training length ≥ 1, e.g. {key}=[1,2,4]"
-            )
-    stride, fraction = evaluation.get("stride"), evaluation.get("stride_fraction")
-    if evaluation["mode"] not in ("nonoverlap", "sliding"):
-        problems.append(f"eval.mode={evaluation['mode']!r} must be nonoverlap or sliding")
-    elif evaluation["mode"] == "sliding" and (stride is None) == (fraction is None):
-        problems.append(
-            "eval.mode=sliding needs one stride: eval.stride (tokens, e.g. 32) or eval.stride_fraction (of each "
-            f"evaluation length, e.g. 0.5), got stride={stride!r}, stride_fraction={fraction!r}"
-        )
-    elif evaluation["mode"] == "sliding" and stride is not None and (not _whole(stride) or stride < 1):
-        problems.append(f"eval.mode=sliding needs eval.stride ≥ 1, got {stride!r}")
-    for key, values in (("eval.stride_fraction", [] if fraction is None else [fraction]),
-                        ("eval.sliding_fractions", evaluation.get("sliding_fractions") or [])):  # fmt: skip
-        if any(not _fraction(value) for value in values):
-            problems.append(f"{key}={values} must be fractions of the evaluation length in (0, 1], e.g. 0.5")
-    if evaluation.get("sample", "documents") not in ("documents", "head", "long_documents"):
-        problems.append(f"eval.sample={evaluation['sample']!r} must be documents, head or long_documents")
-    if evaluation.get("attention_scale") not in (None, *ATTENTION_SCALES):
-        scales = ", ".join(ATTENTION_SCALES)
-        problems.append(f"eval.attention_scale={evaluation['attention_scale']!r} must be null or one of {scales}")
-    return problems
-
-
-def _fraction(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value <= 1
 
 
 def resolve_length_settings(config: Mapping[str, Any], inherited: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -245,17 +167,35 @@ def check_model(config: Mapping[str, Any]) -> None:
 
 
 def check_device(config: Mapping[str, Any], cuda: bool | None = None) -> None:
-    """FlexAttention has no CPU backward: training with ``attention=flex`` needs a CUDA GPU.
+    """The devices a run asks for exist: a GPU where it asks for one, as many as it asks for, flex on CUDA only.
 
-    ``cuda``: whether the run will have one; ``None``: whether this machine has one. A sweep submitted to SLURM
-    checks on a login node for jobs that run elsewhere, with the GPUs they ask for.
+    ``cuda``: whether the run will have CUDA GPUs; ``None``: whether this machine has them (and how many). A sweep
+    submitted to SLURM checks on a login node for jobs that run elsewhere, with the GPUs they ask for.
     """
-    attention, accelerator = config["attention"]["name"], config["trainer"]["accelerator"]
-    if cuda is None:
-        import torch
+    import torch
 
-        cuda = torch.cuda.is_available()
+    attention, trainer = config["attention"]["name"], config["trainer"]
+    accelerator, devices = trainer["accelerator"], trainer.get("devices", "auto")
+    here = cuda is None
+    count = torch.cuda.device_count() if here and torch.cuda.is_available() else 0
+    cuda = count > 0 if cuda is None else cuda
+    mps = bool(torch.backends.mps.is_available())
+    if accelerator in ("gpu", "cuda") and not cuda and not (accelerator == "gpu" and mps):
+        raise RunError(
+            f"trainer.accelerator={accelerator} asks for a GPU and this machine has none that torch can use "
+            "(torch.cuda.is_available() is false): use trainer.accelerator=auto (a GPU when there is one) or cpu"
+        )
+    if accelerator == "mps" and not mps:
+        raise RunError("trainer.accelerator=mps asks for Apple's GPU (MPS), which this machine lacks: use auto or cpu")
+    if accelerator == "tpu" and importlib.util.find_spec("torch_xla") is None:
+        raise RunError("trainer.accelerator=tpu needs torch_xla, which is not installed: use auto or cpu")
     on_gpu = accelerator in ("auto", "gpu", "cuda") and cuda
+    asked = len(devices) if isinstance(devices, list) else devices if isinstance(devices, int) else 0
+    if here and on_gpu and asked > count:
+        raise RunError(
+            f"trainer.devices={devices} asks for {asked} GPUs and this machine has {count}: "
+            f"use trainer.devices={count} (or -1: all of them)"
+        )
     if attention == "flex" and not on_gpu:
         raise RunError(
             "attention=flex trains only on a CUDA GPU (FlexAttention has no CPU backward): use attention=auto "
@@ -263,16 +203,51 @@ def check_device(config: Mapping[str, Any], cuda: bool | None = None) -> None:
         )
 
 
+def wandb_key_configured() -> bool:
+    """Whether W&B has an API key to log in with, read as W&B reads it (its variables, then ``~/.netrc``), offline."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def check_wandb(
+    logger: Mapping[str, Any],
+    setting: str = "logger.mode=online",
+    instead: str = "log offline with logger.mode=offline (upload later with `wandb sync`)",
+) -> None:
+    """W&B asked to log online has a key now: without one it would prompt at a terminal, or fail a minute in.
+
+    ``setting``: what asked for it, as the refusal names it (``WANDB_MODE`` in the environment wins over it);
+    ``instead``: what else the command can do.
+    """
+    if logger.get("kind", "wandb") != "wandb":
+        return
+    mode = os.environ.get("WANDB_MODE") or logger.get("mode", "auto")
+    if mode == "online" and not wandb_key_configured():
+        asked = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else setting
+        raise RunError(
+            f"{asked} needs a W&B API key and none is configured (WANDB_API_KEY, or ~/.netrc from `wandb login`): "
+            f"log in first, or {instead}"
+        )
+
+
 def validate(config: Mapping[str, Any], cuda: bool | None = None) -> None:
     """Refuse a config that cannot train or evaluate, before anything is built or written.
 
-    ``cuda``: whether the run will have a CUDA GPU (``check_device``).
+    Its values against the schema first (``posenc.schema``), then what only building tells (the scheme's own options,
+    the backend), then the machine: the devices asked for, W&B's key. ``cuda``: whether the run will have CUDA GPUs
+    (``check_device``).
     """
-    problems = config_problems(config)
-    if problems:
-        raise RunError("; ".join(problems))
+    line = refusal(config, TrainConfig)
+    if line is not None:
+        raise RunError(line)
     check_model(config)
     check_device(config, cuda)
+    check_wandb(config["logger"])
 
 
 def check_data(datamodule: TextDataModule | TaskDataModule) -> dict[str, Any]:

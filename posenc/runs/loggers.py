@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import io
-import netrc
 import os
 import socket
 import warnings
@@ -32,17 +31,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from posenc.jsonio import write_text
 from posenc.runs import global_rank
+from posenc.runs.checks import wandb_key_configured
 from posenc.runs.records import WANDB_STEP_FILE
-
-
-def _api_key_configured() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-        return netrc.netrc().authenticators(host) is not None
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        return False
 
 
 def _reachable(url: str, timeout: float = 2.0) -> bool:
@@ -61,7 +51,7 @@ def resolve_wandb_mode(requested: str) -> str:
     if requested != "auto":
         return requested
     base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-    return "online" if _api_key_configured() and _reachable(base_url) else "offline"
+    return "online" if wandb_key_configured() and _reachable(base_url) else "offline"
 
 
 class ResumedCSVLogger(CSVLogger):

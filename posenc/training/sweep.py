@@ -269,8 +269,10 @@ class SweepPreflight(Callback):
     def _job_states(self, config: DictConfig) -> list[JobState]:
         hydra_config, states, dirs = HydraConfig.instance(), [], {}
         previous = hydra_config.cfg
+        jobs = list(sweep_jobs(config))
+        common = set.intersection(*(set(overrides) for overrides, _ in jobs)) if jobs else set()
         try:
-            for overrides, job_config in sweep_jobs(config):
+            for overrides, job_config in jobs:
                 hydra_config.set_config(job_config)  # for ${hydra:...} in the job's directory name
                 check_launch(job_config)
                 run_dir, task_config = job_dir_and_config(job_config)
@@ -287,10 +289,12 @@ class SweepPreflight(Callback):
                     submitted = str(OmegaConf.select(job_config, "hydra.launcher._target_", default="")).endswith(
                         "SlurmLauncher"
                     )
-                    validate(to_container(task_config), cuda=True if submitted else None)
+                    plain = OmegaConf.to_container(task_config, resolve=True, throw_on_missing=False)
+                    validate(plain, cuda=True if submitted else None)  # type: ignore[arg-type]
                     states.append(job_state(run_dir, to_container(task_config)))
-                except SystemExit as error:  # a bad value, a damaged checkpoint or record: name the job
-                    raise SweepError(f"job {' '.join(overrides)} ({run_dir}): {error}") from None
+                except SystemExit as error:  # a bad value, a damaged checkpoint or record: name the job by its values
+                    swept = " ".join(o for o in overrides if o not in common) or " ".join(overrides)
+                    raise SweepError(f"job {swept} ({run_dir}): {error}; nothing was started") from None
         finally:
             hydra_config.cfg = previous
         return states
