@@ -7,10 +7,10 @@ overruns with its whole process group, leaves no process behind when it is kille
 files (``posenc/gpu/pack.py``). ``--rehearse`` runs the same plan on CPU with tiny settings, as the GPU machine's
 packages would run it (no wandb, no submitit), which is how the test suite proves all of this without a GPU.
 
-A machine without a package registry may lack packages the project needs (Hydra, OmegaConf): wheels in ``--wheels``
-(default ``.whl``) are installed into the work folder first and put on every step's ``PYTHONPATH``. Inductor's and
-Triton's caches live in the work folder too, so a second command on a still-warm machine reuses what the first
-compiled.
+A machine without a package registry may lack packages the project needs (Hydra, OmegaConf, pydantic): wheels in
+``--wheels`` (default ``.whl``) are installed into the work folder first and put on every step's ``PYTHONPATH``.
+Inductor's and Triton's caches live in the work folder too, so a second command on a still-warm machine reuses what the
+first compiled.
 """
 
 from __future__ import annotations
@@ -30,11 +30,17 @@ from posenc.gpu.runner import RESERVE_S, ROOT, Runner, SessionStoppedError, Step
 
 # Packages the GPU machine lacks that the project can import: a rehearsal makes them fail to import, as they would.
 MISSING_ON_GPU_IMAGE = ("wandb", "submitit")
+# Packages every command needs that a GPU image may lack, brought as wheels in .whl/.
+NEEDED_FROM_WHEELS = ("hydra", "pydantic")
 
 
 def install_wheels(wheels: Path, work: Path) -> Path | None:
-    """Install the wheels in ``wheels`` into ``work/site`` when Hydra is missing; the folder to put on the path."""
-    if importlib.util.find_spec("hydra") is not None or not wheels.is_dir() or not any(wheels.glob("*.whl")):
+    """Install the wheels in ``wheels`` into ``work/site`` when Hydra or pydantic is missing; the folder for the path.
+
+    Both are what every posenc command imports that a GPU image may lack (pydantic checks the config's values).
+    """
+    missing = [name for name in NEEDED_FROM_WHEELS if importlib.util.find_spec(name) is None]
+    if not missing or not wheels.is_dir() or not any(wheels.glob("*.whl")):
         return None
     site = work / "site"
     command = [

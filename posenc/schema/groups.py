@@ -233,6 +233,10 @@ class Eval(Section):
     tokens_per_batch: Count = Field(description="memory bound: windows per batch = this // length")
     seed: SEED = Field(description="the sample's and the tasks' seed")
     plots: bool = Field(description="write PNG plots")
+    equivalence_margin: Fraction = Field(
+        description="the report's margin: perplexities within ± this share are equivalent"
+    )
+    equivalence_accuracy: Fraction = Field(description="the report's margin: accuracies within ± this are equivalent")
     effective_ppl_ratio: AtLeastOne = Field(description="effective length: perplexity within this × in-length")
     effective_acc_fraction: Fraction = Field(description="effective length: accuracy within this × in-length")
     effective_ppl_threshold: AtLeastOne | None = Field(description="effective length: one shared perplexity bound")
