@@ -213,3 +213,15 @@ def test_score_mod_matches_dense_bias(name: str) -> None:
 @pytest.mark.parametrize("name", RELATIVE_SCHEMES)
 def test_relative_schemes_declare_no_length_limit(name: str) -> None:
     assert make(name).max_positions is None
+
+
+def test_fire_records_the_threshold_it_trained_to_with_its_multipliers_sign() -> None:
+    # FIRE's threshold is |multiplier| × its initial value: a run that flipped the multiplier's sign has the same
+    # threshold, and the record keeps both. A stack names each member's settings; schemes without any record none.
+    fire = build("fire", num_heads=2, head_dim=8, init_threshold=16.0)
+    with torch.no_grad():
+        fire.threshold_multiplier.fill_(-3.5)
+    assert fire.learned_settings() == {"threshold": 56.0, "threshold_multiplier": -3.5}
+    stacked = build("fire+alibi", num_heads=2, head_dim=8)
+    assert set(stacked.learned_settings()) == {"fire.threshold", "fire.threshold_multiplier"}
+    assert build("alibi", num_heads=2, head_dim=8).learned_settings() == {}

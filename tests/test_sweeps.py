@@ -373,3 +373,23 @@ def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_ra
     assert controlled.trainer.max_steps == 600 and list(controlled.eval.multiples) == [1, 2, 4, 8, 16, 32]
     assert offset.data.task == "mqar" and offset.data.task_options.kv_offset == "random"
     assert offset.trainer.max_steps == 4500  # the offset task's pilot: nothing learned in 1,500
+
+
+def test_the_settings_sensitivity_arm_runs_each_setting_on_the_comparisons_recipe(tmp_path: Path) -> None:
+    # FIRE's threshold at L and 512, T5's 32 buckets up to 64 and 128: five seeds each, one directory per setting,
+    # every other setting the comparison's (its tuned rates, test split, both protocols).
+    def jobs(name: str) -> set[str]:
+        command = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", name]
+        result = launch(tmp_path, command=command)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
+
+    assert jobs("sensitivity_fire") == {f"fire-th{t}-L64-s{s}" for t in (64, 512) for s in range(5)}
+    assert jobs("sensitivity_t5") == {f"t5-b32-d{d}-L64-s{s}" for d in (64, 128) for s in range(5)}
+    from omegaconf import OmegaConf
+
+    command = [sys.executable, "-m", "posenc.train", "-cd", str(SWEEPS), "-cn", "sensitivity_fire", "+encoding=fire"]
+    composed = OmegaConf.create(subprocess.run([*command, "--cfg", "job"], capture_output=True, text=True,
+                                               timeout=120, check=True).stdout)  # fmt: skip
+    assert composed.eval.split == "test" and list(composed.eval.sliding_fractions) == [0.5]
+    assert composed.optim.tuned == "docs/results/tuning/selection.json" and composed.trainer.max_steps == 600

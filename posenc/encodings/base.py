@@ -374,6 +374,10 @@ class PositionalEncoding(nn.Module):
         """
         return []
 
+    def learned_settings(self) -> dict[str, float]:
+        """What settings that follow L trained to, for the record: a verdict may move with them (FIRE's threshold)."""
+        return {}
+
     def constrain_(self) -> None:
         """Project parameters back into their valid range after an optimiser step (KERPLE's positivity)."""
 

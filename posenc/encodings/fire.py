@@ -120,5 +120,10 @@ class FIRE(PositionalEncoding):
             }
         ]
 
+    def learned_settings(self) -> dict[str, float]:
+        """The threshold as trained, and its multiplier (its sign: the threshold is |multiplier| × the initial one)."""
+        multiplier = float(self.threshold_multiplier.detach().float())
+        return {"threshold": abs(multiplier) * float(self.init_threshold), "threshold_multiplier": multiplier}
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mlp_width={self.mlp_width}, init_threshold={float(self.init_threshold):g}"

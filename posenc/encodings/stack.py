@@ -161,6 +161,9 @@ class Stack(PositionalEncoding):
         scaled = [member.set_context_scaling(method, factor, original_length) for member in self.parts]
         return any(scaled)
 
+    def learned_settings(self) -> dict[str, float]:
+        return {f"{m.name}.{key}": value for m in self.members for key, value in m.learned_settings().items()}
+
     def constrain_(self) -> None:
         for member in self.parts:
             member.constrain_()

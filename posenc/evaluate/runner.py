@@ -197,6 +197,9 @@ def _evaluate(
         )
     scored = [row["length"] for row in results.get("perplexity", []) if row["error"] is None]
     results["learned_bias"] = first_layer_bias(model, max(scored or lengths))
+    settings = [encoding.learned_settings() for encoding in model.layer_encodings]
+    if any(settings):  # per layer: what a scheme's length-scaled settings trained to (FIRE's threshold)
+        results["learned_settings"] = settings
     results["effective_length"] = both_rules(results)
     results["summary"] = summary_metrics(results)
     return results

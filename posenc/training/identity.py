@@ -51,6 +51,7 @@ RESULT_FIELDS = {
     # measurements that may be null (no learnable or no bias parameter), never settings; where weights came from
     # is a setting already (init_from), the lineage record says what carried over
     "learned_bias",
+    "learned_settings",
     "positional_drift",
     "lineage",
     # what the run's settings imply (the resolved length settings, what training reaches, the budget): not settings
