@@ -157,3 +157,31 @@ def test_without_validation_curves_no_rate_is_selected_and_every_rate_is_tabled(
     assert "rope · lr=0.001" in header and "rope · lr=0.003" in header
     assert not any(line.endswith("| ✓ |") for line in markdown.splitlines())
     assert "No rate selected for rope: a run recorded no validation curve" in markdown
+
+
+def test_a_scheme_at_several_settings_says_which_verdicts_survive_every_setting(tmp_path: Path) -> None:
+    # FIRE at two thresholds beside ALiBi, two seeds each: at 16 its ratio stays at 1 (flat), at 64 it doubles
+    # (separated from 1); against ALiBi at 2× it is above at both settings. A learned threshold is tabled per layer.
+    def run(label: str, seed: int, ppl: tuple[float, float], threshold: float | None) -> None:
+        _text_run(tmp_path / f"t{threshold}", label, seed, None, ppl, [1, 1, 1.01 + 0.01 * seed, 1])
+        path = tmp_path / f"t{threshold}" / f"{label}_{seed}" / "eval" / "results.json"
+        result = json.loads(path.read_text())
+        encoding = {"name": label} | ({"init_threshold": threshold} if threshold else {})
+        result["config"] = {"encoding": encoding, "trainer": {"max_steps": 10}}
+        if threshold:
+            result["learned_settings"] = [{"threshold": threshold * (1.5 + seed), "threshold_multiplier": -1.5 - seed}]
+        path.write_text(json.dumps(result))
+
+    for seed in range(2):
+        run("alibi", seed, (10.0, 10.0), None)
+        run("fire", seed, (10.0, 10.0), 16.0)
+        run("fire", seed, (10.0, 20.0), 64.0)
+    markdown = build_report(find_results([tmp_path]), tmp_path / "out", make_plots=False)
+    section = markdown.split("## Settings sensitivity, trained at L=32 — nonoverlapping windows")[1]
+    rows = [line for line in section.splitlines() if line.startswith("| fire |")]
+    assert [row.split("|")[2].strip() for row in rows] == ["init_threshold 16", "init_threshold 64"]
+    assert rows[0].split("|")[6].strip() == "flat" and rows[1].split("|")[6].strip() == "separated"
+    assert "- **fire**: its ratio's word moves with its setting" in section
+    learned = markdown.split("### What the length settings trained to")[1]
+    assert "| fire · init_threshold=64 | 0 | threshold | 128 [96, 160] | 2 |" in learned
+    assert "| threshold_multiplier | -2 [-2.5, -1.5] | 2 |" in learned

@@ -30,6 +30,7 @@ from posenc.report.plots import attention_plots, curve_plots, perplexity_plots, 
 from posenc.report.preset import DEFAULT_REFERENCES, preset_section
 from posenc.report.protocols import protocol_tables
 from posenc.report.retrieval import retrieval_tables
+from posenc.report.sensitivity import sensitivity_tables
 from posenc.report.tasks import task_tables
 from posenc.report.tuning import tuning_section
 
@@ -54,6 +55,7 @@ def _text(make: Callable[[Results, Appendix], str]) -> Callable[[Results, Append
 SECTIONS: list[Callable[[Results, Appendix], list[str]]] = [
     perplexity_section,
     _text(protocol_tables),
+    _text(sensitivity_tables),
     _text(lambda results, appendix: task_tables(results, appendix=appendix)),
     _text(retrieval_tables),
     _text(attention_tables),

@@ -91,6 +91,13 @@ STUDIES = {
         "docs/results/comparison/runs docs/results/comparison-2400/runs",
         budgets=True,
     ),
+    "sensitivity": Study(
+        "Which verdicts survive every setting: FIRE's threshold and T5's buckets, three values each",
+        "python -m posenc.train -m -cd sweeps -cn sensitivity_fire  # FIRE's threshold at L and 512, 5 seeds each\n"
+        "python -m posenc.train -m -cd sweeps -cn sensitivity_t5  # T5's 32 buckets up to L and 2L, 5 seeds each\n"
+        "# their third setting (the comparison's) and ALiBi are the comparison's own runs, read from its kept records",
+        "outputs/sweeps/sensitivity docs/results/comparison/runs/{alibi,fire,t5}-L64-s*",
+    ),
     "frontier": Study(
         "The 2024–2025 frontier on the reproduction's backbone (one seed)",
         "python -m posenc.train -m -cd sweeps -cn frontier",
