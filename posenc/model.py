@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from posenc import decoding, probe
 from posenc.attention import decoding_backend, get_backend
+from posenc.attention.sink import Sink, SinkColumns, refuse_sink
 from posenc.encodings import build, scheme_class, stack_members
 from posenc.encodings.base import PositionalEncoding
 
@@ -28,36 +29,46 @@ INITS = ("gpt2", "pytorch")  # the backbone's initialisation: GPT-2's (std 0.02)
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention; the scheme rotates q, k and the backend applies its bias."""
+    """Causal multi-head self-attention; the scheme rotates q, k and the backend applies its bias (and the sink)."""
 
-    def __init__(self, dim: int, heads: int, encoding: PositionalEncoding, backend: str) -> None:
+    def __init__(
+        self, dim: int, heads: int, encoding: PositionalEncoding, backend: str, sink: Sink | None = None
+    ) -> None:
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
         self.encoding = encoding
+        self.sink = sink
         self.backend_name = backend
         self.backend = get_backend(backend)
 
     def project(
         self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, SinkColumns | None]:
         """Rotated q (B, H, Lq, D), rotated k and v (B, H, Lk, D) over every visible position, and those positions.
 
-        Last, the keys' features (B, Lk, F) when the scheme reads the layer's input (``None`` otherwise).
+        Then the keys' features (B, Lk, F) when the scheme reads the layer's input (``None`` otherwise), and the
+        sink's columns (``None`` without one). Sink tokens are rotated with the keys, in front of them (at the
+        window's first position), and handed over apart: the window's keys and positions stay its own.
         """
         q, k, v = rearrange(self.qkv(x), "b l (three h d) -> three b h l d", three=3, h=self.heads)
         features = self.encoding.token_features(x)
         k_pos = pos
         if cache is not None:  # keys are cached unrotated and rotated with the new queries (see posenc/decoding.py)
             k, v, k_pos, features = cache.extend(k, v, pos, features)
-        q, k = self.encoding.rotate(q, k, pos, k_pos)
-        return q, k, v, k_pos, features
+        if self.sink is None:
+            q, k = self.encoding.rotate(q, k, pos, k_pos)
+            return q, k, v, k_pos, features, None
+        k, v, rotated_pos = self.sink.in_front(k, v, k_pos)
+        q, k = self.encoding.rotate(q, k, pos, rotated_pos)
+        columns, k, v = self.sink.columns(k, v, rotated_pos)
+        return q, k, v, k_pos, features, columns
 
     def forward(self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None) -> Tensor:
-        q, k, v, k_pos, features = self.project(x, pos, cache)
+        q, k, v, k_pos, features, sink = self.project(x, pos, cache)
         backend = self.backend if cache is None else get_backend(decoding_backend(self.backend_name, self.encoding))
-        out = backend(q, k, v, self.encoding, pos, k_pos, features=features)  # (B, H, Lq, D)
+        out = backend(q, k, v, self.encoding, pos, k_pos, features=features, sink=sink)  # (B, H, Lq, D)
         return self.proj(rearrange(out, "b h l d -> b l (h d)"))
 
 
@@ -65,11 +76,18 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(
-        self, dim: int, heads: int, encoding: PositionalEncoding, backend: str, mlp_ratio: int, dropout: float
+        self,
+        dim: int,
+        heads: int,
+        encoding: PositionalEncoding,
+        backend: str,
+        mlp_ratio: int,
+        dropout: float,
+        sink: Sink | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(dim)
-        self.attn = Attention(dim, heads, encoding, backend)
+        self.attn = Attention(dim, heads, encoding, backend, sink)
         self.mlp_norm = nn.RMSNorm(dim)
         self.mlp = nn.Sequential(
             nn.Linear(dim, mlp_ratio * dim, bias=False), nn.GELU(), nn.Linear(mlp_ratio * dim, dim, bias=False)
@@ -157,7 +175,9 @@ class Decoder(nn.Module):
     the layers (``["rope", "rope", "rope", "nope"]``: layer i gets entry i mod 4), a config mapping
     ``{"name": ..., **options}`` (flat options for one scheme; keyed by member name for stacks and schedules),
     or a built ``PositionalEncoding`` shared by every layer. ``context_scaling`` (``{method, factor,
-    original_length}``) stretches its rotary schemes for training at a longer length (``_scale_context``).
+    original_length}``) stretches its rotary schemes for training at a longer length (``_scale_context``). ``sink``
+    gives every layer's attention a sink, whatever its scheme (``posenc/attention/sink.py``): ``none``, ``zero``,
+    ``learned`` or ``tokens`` (``sink_tokens`` of them).
     """
 
     def __init__(
@@ -173,6 +193,8 @@ class Decoder(nn.Module):
         tie_embeddings: bool = True,
         init: str = "gpt2",
         context_scaling: Mapping[str, Any] | None = None,
+        sink: str = "none",
+        sink_tokens: int = 1,
     ) -> None:
         super().__init__()
         if dim % heads:
@@ -188,8 +210,18 @@ class Decoder(nn.Module):
         self.label = encoding_label(encoding)
         self.input_encoding, layer_encodings = self._build_encodings(encoding, depth, heads, head_dim)
         self.token_embedding = nn.Embedding(vocab_size, dim)
+        for layer_encoding in dict.fromkeys(layer_encodings):
+            refuse_sink(layer_encoding, sink)
+        if sink_tokens != 1 and sink != "tokens":
+            raise ValueError(
+                f"model.sink_tokens={sink_tokens} counts sink tokens, and model.sink={sink}: set sink=tokens"
+            )
+        self.sink = sink
         self.blocks = nn.ModuleList(
-            Block(dim, heads, layer_encodings[i], attention, mlp_ratio, dropout) for i in range(depth)
+            Block(
+                dim, heads, layer_encodings[i], attention, mlp_ratio, dropout, self._sink(heads, head_dim, sink_tokens)
+            )
+            for i in range(depth)
         )
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
@@ -198,6 +230,10 @@ class Decoder(nn.Module):
         if tie_embeddings:
             self.head.weight = self.token_embedding.weight
         self.context_scaling = self._scale_context(context_scaling) if context_scaling else None
+
+    def _sink(self, heads: int, head_dim: int, tokens: int) -> Sink | None:
+        """One layer's sink (each layer its own logits or tokens), or ``None`` for ``sink=none``."""
+        return None if self.sink == "none" else Sink(self.sink, heads, head_dim, tokens)
 
     def _init_gpt2(self, depth: int, tie_embeddings: bool) -> None:
         """GPT-2's initialisation of the backbone: std 0.02, residual projections scaled by 1/√(2·depth).

@@ -5,7 +5,8 @@ layer's own ``project`` (the same rotation the layer applies); probabilities com
 (``attention_weights``: rotate, bias through the contract, causal softmax; or the dense weights of a scheme that
 supplies its own attention), so they are what every backend is tested to compute, whatever backend the model runs.
 Compiled blocks run uncompiled here (``eager_modules``), so the hooks fire, while the attention inside keeps its
-compiled kernels.
+compiled kernels. A layer's sink (``posenc/attention/sink.py``) comes with its q and k: the probabilities then hold
+its columns in front of the keys, and a map shows the keys' part (each row summing to 1 minus what the sink took).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from posenc.attention.eager import attention_weights
+from posenc.attention.sink import SinkColumns
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import eager_modules
 
 # visit(layer index, rotated q (B, H, L, D), rotated k (B, H, L, D), the layer's scheme, positions (L,), the keys'
-# features (B, L, F) for a scheme that reads the layer's input, else None)
-Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor, Tensor | None], None]
+# features (B, L, F) for a scheme that reads the layer's input, else None, the layer's sink columns, else None)
+Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor, Tensor | None, SinkColumns | None], None]
 
 MAX_MAP_ELEMENTS = 1 << 26  # one layer's (B, H, L, L) maps: 256 MiB of fp32
 
@@ -34,8 +36,8 @@ def visit_layers(model: nn.Module, tokens: Tensor, visit: Visit) -> Tensor:
 
         def hook(attention: nn.Module, args: tuple, index: int = index) -> None:
             x, pos = args[0], args[1]
-            q, k, _, k_pos, features = attention.project(x, pos)
-            visit(index, q, k, attention.encoding, k_pos, features)
+            q, k, _, k_pos, features, sink = attention.project(x, pos)
+            visit(index, q, k, attention.encoding, k_pos, features, sink)
 
         handles.append(block.attn.register_forward_pre_hook(hook))
     try:
@@ -47,7 +49,10 @@ def visit_layers(model: nn.Module, tokens: Tensor, visit: Visit) -> Tensor:
 
 
 def attention_maps(model: nn.Module, tokens: Tensor, layer: int) -> Tensor:
-    """Layer ``layer``'s attention probabilities (B, H, L, L), fp32, for inputs short enough to hold them."""
+    """Layer ``layer``'s attention probabilities (B, H, L, L), fp32, for inputs short enough to hold them.
+
+    With a sink, the keys' columns: each row sums to 1 minus what the sink took.
+    """
     depth = len(model.blocks)
     if not -depth <= layer < depth:
         raise ValueError(f"layer {layer} does not exist: the model has {depth} layers (0..{depth - 1})")
@@ -62,10 +67,17 @@ def attention_maps(model: nn.Module, tokens: Tensor, layer: int) -> Tensor:
     maps: list[Tensor] = []
 
     def keep(
-        index: int, q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor, features: Tensor | None
+        index: int,
+        q: Tensor,
+        k: Tensor,
+        encoding: PositionalEncoding,
+        pos: Tensor,
+        features: Tensor | None,
+        sink: SinkColumns | None,
     ) -> None:
         if index == wanted:
-            maps.append(attention_weights(q, k, encoding, pos, pos, features))
+            weights = attention_weights(q, k, encoding, pos, pos, features, sink)
+            maps.append(weights if sink is None else weights[..., sink.width :])
 
     was_training = model.training
     model.eval()

@@ -24,6 +24,7 @@ def test_uniform_attention_has_the_textbook_values() -> None:
         "distance": sum(i / 2 for i in queries),
         "entropy": sum(math.log(i + 1) for i in queries),
         "sink": sum(1 / (i + 1) for i in queries),
+        "explicit": 0.0,  # no sink of the model's own
     }
     for name in STATS:
         torch.testing.assert_close(sums[name], torch.full((heads,), expected[name], dtype=torch.float64))
@@ -55,6 +56,7 @@ def test_statistics_are_those_of_the_layers_attention_maps(name) -> None:
             "distance": (maps * distance[1:]).sum(-1).mean(dim=(0, 2)),
             "entropy": torch.special.entr(maps).sum(-1).mean(dim=(0, 2)),
             "sink": maps[..., 0].mean(dim=(0, 2)),
+            "explicit": torch.zeros(4),  # no sink of the model's own (tests/test_sinks.py: with one)
         }
         for stat in STATS:
             got = torch.tensor([r[stat] for r in rows if r["layer"] == layer])

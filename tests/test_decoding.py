@@ -137,7 +137,7 @@ def test_attention_maps_are_the_layers_probabilities(name) -> None:
     with torch.no_grad():
         model(tokens)
     hook.remove()
-    _, _, v, _, _ = attn.project(captured["x"], torch.arange(12))
+    _, _, v, _, _, _ = attn.project(captured["x"], torch.arange(12))
     replay = attn.proj((maps @ v.float()).transpose(1, 2).flatten(2))
     torch.testing.assert_close(replay, captured["out"], atol=1e-5, rtol=1e-4)
 

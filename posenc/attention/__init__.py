@@ -10,6 +10,10 @@ A scheme that supplies its own attention (``supplies_attention``: PaTH, stick-br
 ``eager`` multiplies its dense reference weights by v, ``scheme`` runs its own memory-bounded ``attend`` (``auto``
 picks it, and cached decoding falls back to it), and every backend built around softmax(q·kᵀ/√D + bias) refuses it
 in one line (``refuse_supplied_attention``): none runs a softmax in its place.
+
+Every backend takes the layer's sink (``sink``: ``posenc/attention/sink.py``), the columns a softmax row holds in
+front of the keys: ``eager`` puts them in its dense softmax, ``sdpa`` in front of the keys it hands SDPA, and the
+kernels that return the row log-sum-exp (``flex``, ``flex_learnable``, ``triton``) merge them with their output.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ from typing import Protocol
 
 from torch import Tensor
 
+from posenc.attention.sink import SinkColumns
 from posenc.encodings.base import PositionalEncoding
 
 
 class Backend(Protocol):
     """Causal attention over rotated q, k, v, honouring the scheme: (B, H, Lq, D).
 
-    q (B, H, Lq, D), k and v (B, H, Lk, D), the scheme, q_pos (Lq,), k_pos (Lk,), and ``features`` (B, Lk, F): the
-    keys' ``token_features`` of a scheme that reads the layer's input (``None`` for every other scheme).
+    q (B, H, Lq, D), k and v (B, H, Lk, D), the scheme, q_pos (Lq,), k_pos (Lk,), ``features`` (B, Lk, F): the
+    keys' ``token_features`` of a scheme that reads the layer's input (``None`` for every other scheme), and ``sink``:
+    the layer's sink columns (``None`` without one).
     """
 
     def __call__(
@@ -38,6 +44,7 @@ class Backend(Protocol):
         q_pos: Tensor,
         k_pos: Tensor,
         features: Tensor | None = None,
+        sink: SinkColumns | None = None,
     ) -> Tensor: ...
 
 

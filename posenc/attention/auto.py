@@ -16,15 +16,19 @@
 - a scheme that supplies its own attention (PaTH, stick-breaking), any device → ``scheme``: the scheme's own
   memory-bounded ``attend`` (no softmax kernel computes it; ``sdpa``, ``flex``, ``flex_learnable`` and ``triton``
   refuse it);
+- a sink (``posenc/attention/sink.py``) on CUDA with no bias → ``flex``, which merges it through its row lse in one
+  fused kernel (SDPA would take the sink as a wider key and leave its flash kernels); a biased scheme keeps the
+  choices above, each of which takes a sink;
 - a distance-only bias on a GPU class where a recorded measurement found ``triton`` (one fused kernel reading the
   distance table, its gradient reduced per distance inside the backward) faster than the choice above, for that kind
   of bias (``MEASURED_FASTER``) → ``triton``. None is recorded yet: its GPU speed has not been measured, so ``auto``
   keeps the choices above on every GPU.
 
 The choice reads only what the scheme declares (``supplies_attention``, ``adds_content_bias``, ``adds_bias``,
-``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``, ``distance_only``), whether gradients are
-being recorded, and for ``MEASURED_FASTER`` the GPU's compute capability. A run records what it resolved to
-(``resolved``, in ``run.json``'s ``train_conditions``), as the benchmark does beside every ``auto`` row.
+``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``, ``distance_only``), whether there is a
+sink, whether gradients are being recorded, and for ``MEASURED_FASTER`` the GPU's compute capability. A run records
+what it resolved to (``resolved``, in ``run.json``'s ``train_conditions``), as the benchmark does beside every ``auto``
+row.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import Tensor
 
 from posenc.attention import get_backend, register_backend
 from posenc.attention.flex_learnable import supports
+from posenc.attention.sink import SinkColumns
 from posenc.attention.tables import reads_table
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path
@@ -52,13 +57,19 @@ def table_kind(encoding: PositionalEncoding) -> str | None:
 
 
 def choose(
-    encoding: PositionalEncoding, is_cuda: bool, training: bool = True, capability: tuple[int, int] | None = None
+    encoding: PositionalEncoding,
+    is_cuda: bool,
+    training: bool = True,
+    capability: tuple[int, int] | None = None,
+    sink: bool = False,
 ) -> str:
-    """Name of the backend ``auto`` uses for this scheme on this kind of device (and GPU class), training or not."""
+    """Name of the backend ``auto`` uses for this scheme (with a sink or not) on this device, training or not."""
     if encoding.supplies_attention:
         return "scheme"
-    if encoding.adds_content_bias or not encoding.adds_bias or not is_cuda:
+    if encoding.adds_content_bias or not is_cuda:
         return "sdpa"
+    if not encoding.adds_bias:
+        return "flex" if sink else "sdpa"
     if capability is not None and table_kind(encoding) in MEASURED_FASTER.get(capability, frozenset()):
         return "triton"
     if encoding.learnable_bias and supports(encoding):
@@ -68,11 +79,15 @@ def choose(
     return "flex"
 
 
-def resolved(backend: str, encodings: list[PositionalEncoding], device: torch.device, training: bool = True) -> dict:
+def resolved(
+    backend: str, encodings: list[PositionalEncoding], device: torch.device, training: bool = True, sink: bool = False
+) -> dict:
     """{scheme label: the backend it runs on} for a model built with ``backend``: what a run records it trained with."""
     cuda = device.type == "cuda"
     capability = torch.cuda.get_device_capability(device) if cuda and MEASURED_FASTER else None
-    return {enc.label: choose(enc, cuda, training, capability) if backend == "auto" else backend for enc in encodings}
+    return {
+        enc.label: choose(enc, cuda, training, capability, sink) if backend == "auto" else backend for enc in encodings
+    }
 
 
 def triton_fits(q: Tensor, k: Tensor) -> bool:
@@ -95,10 +110,12 @@ def auto_attention(
     q_pos: Tensor,
     k_pos: Tensor,
     features: Tensor | None = None,
+    sink: SinkColumns | None = None,
 ) -> Tensor:
     # The GPU class is asked only once a measurement is recorded for one: today's choice needs no device query.
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda and MEASURED_FASTER else None
-    backend = choose(encoding, cuda_path(q), training=torch.is_grad_enabled(), capability=capability)
+    training, has_sink = torch.is_grad_enabled(), sink is not None
+    backend = choose(encoding, cuda_path(q), training, capability, has_sink)
     if backend == "triton" and not triton_fits(q, k):  # a shape the kernels refuse: the choice without them
-        backend = choose(encoding, cuda_path(q), training=torch.is_grad_enabled())
-    return get_backend(backend)(q, k, v, encoding, q_pos, k_pos, features=features)
+        backend = choose(encoding, cuda_path(q), training, sink=has_sink)
+    return get_backend(backend)(q, k, v, encoding, q_pos, k_pos, features=features, sink=sink)

@@ -106,10 +106,15 @@ def chunk_groups(num_chunks: int, per_group: int) -> list[slice]:
     return [slice(first, min(first + per_group, num_chunks)) for first in range(0, num_chunks, per_group)]
 
 
-def table_gradient(form: TableForm, diagonals: Tensor) -> Tensor:
-    """The table's gradient from the diagonal sums (H, ≥ horizon) by Identity 2 (the last entry: minus the rest)."""
+def table_gradient(form: TableForm, diagonals: Tensor, totals: Tensor | None = None) -> Tensor:
+    """The table's gradient from the diagonal sums (H, ≥ horizon) by Identity 2 (the last entry: minus the rest).
+
+    ``totals`` (H,): Σ_ij dS_ij per head when the rows of dS do not sum to zero (a sink's lse gradient): the last
+    entry is then that total minus the rest.
+    """
     near = diagonals[:, : form.horizon]
-    per_distance = torch.cat((near, -near.sum(dim=-1, keepdim=True)), dim=-1)  # (H, horizon + 1)
+    rest = -near.sum(dim=-1, keepdim=True) if totals is None else totals[:, None] - near.sum(dim=-1, keepdim=True)
+    per_distance = torch.cat((near, rest), dim=-1)  # (H, horizon + 1)
     grad = torch.zeros(form.table.shape, device=diagonals.device, dtype=torch.float32)
     return grad.index_add_(1, form.index.to(diagonals.device), per_distance)
 

@@ -3,6 +3,9 @@
 ``attention_weights`` is the same formula stopped at the probabilities: what attention maps and attention
 statistics read, so they show exactly what the reference computes. For a scheme that supplies its own attention
 (``supplies_attention``) they are the scheme's own dense weights (``PositionalEncoding.attention_weights``).
+
+With a sink (``posenc/attention/sink.py``) the softmax runs over the sink's columns in front of the keys: one logit
+column, or the sink tokens as keys at their position, which every word of the scheme reads as it reads the others.
 """
 
 from __future__ import annotations
@@ -13,21 +16,32 @@ import torch
 from torch import Tensor
 
 from posenc.attention import register_backend
+from posenc.attention.sink import SinkColumns
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import full_precision
 
 
 @full_precision
 def attention_weights(
-    q: Tensor, k: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    features: Tensor | None = None,
+    sink: SinkColumns | None = None,
 ) -> Tensor:
     """fp32 causal attention probabilities (B, H, Lq, Lk) of rotated q (B, H, Lq, D) over rotated k (B, H, Lk, D).
 
     ``features`` (B, Lk, F) are the keys' features of a scheme that reads the layer's input. A scheme that supplies
-    its own attention gives its own dense weights.
+    its own attention gives its own dense weights. With a ``sink``, (B, H, Lq, C + Lk): its C columns first.
     """
     if encoding.supplies_attention:
+        if sink is not None:
+            raise ValueError(f"{encoding.label} supplies its own attention, with no softmax row for a sink to join")
         return encoding.attention_weights(q, k, q_pos, k_pos, features)
+    if sink is not None and sink.keys is not None:
+        k, _, k_pos, features = sink.prepend(k, None, k_pos, features)
     scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
     bias = encoding.bias(q_pos, k_pos)  # (H, Lq, Lk), added before the mask and before the softmax
     if bias is not None:
@@ -35,7 +49,10 @@ def attention_weights(
     if encoding.adds_content_bias:  # (B, H, Lq, Lk): reads q and k, so it is not a position table
         scores = scores + encoding.content_bias(q, k, q_pos, k_pos, features=features)
     causal = k_pos[None, :] <= q_pos[:, None]
-    return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill(~causal, float("-inf"))
+    if sink is not None and sink.logit is not None:
+        scores = torch.cat((sink.scores(q, encoding, q_pos), scores), dim=-1)
+    return scores.softmax(dim=-1)
 
 
 @register_backend("eager", query_suffix=True)
@@ -48,8 +65,11 @@ def eager_attention(
     q_pos: Tensor,
     k_pos: Tensor,
     features: Tensor | None = None,
+    sink: SinkColumns | None = None,
 ) -> Tensor:
-    weights = attention_weights(q, k, encoding, q_pos, k_pos, features)  # (B, H, Lq, Lk)
+    weights = attention_weights(q, k, encoding, q_pos, k_pos, features, sink)  # (B, H, Lq, [C +] Lk)
     if encoding.supplies_attention:  # the scheme says what its weights give (a remainder off the values, a norm)
         return encoding.weights_output(weights, v.float()).to(q.dtype)
+    if sink is not None:  # a logit's column has no value; the tokens' values come first
+        weights, v = (weights[..., 1:], v) if sink.values is None else (weights, torch.cat((sink.values, v), dim=-2))
     return torch.einsum("bhqk,bhkd->bhqd", weights, v.float()).to(q.dtype)

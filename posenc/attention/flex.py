@@ -9,6 +9,9 @@ CPU when gradients are needed rather than failing deep inside torch.
 Positions are assumed contiguous and shared by queries and keys (self-attention over one window): the kernel
 sees indices ``0..L-1``. A distance-only bias is read from its (H, L) table by i − j (``tables.py``); any other
 score_mod receives the indices shifted by the window's first position.
+
+A sink (``posenc/attention/sink.py``) is merged with the kernel's output through its row log-sum-exp
+(``SinkColumns.merge``), which FlexAttention returns and differentiates (its backward takes the lse's gradient).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
+from posenc.attention.sink import SinkColumns
 from posenc.attention.tables import distance_table, reads_table, table_score_mod
 from posenc.encodings.base import PositionalEncoding, ScoreMod
 from posenc.runtime import cuda_path
@@ -248,6 +252,7 @@ def flex_backend(
     q_pos: Tensor,
     k_pos: Tensor,
     features: Tensor | None = None,
+    sink: SinkColumns | None = None,
 ) -> Tensor:
     refuse(encoding, "flex")
     check_self_attention(q, k, q_pos, k_pos)
@@ -262,4 +267,8 @@ def flex_backend(
             "on a GPU (Inductor does not lower its backward). Train with attention=auto or attention=sdpa; flex "
             "evaluates it"
         )
-    return flex_run(q, k, v, bias_score_mod(encoding, q, q_pos), options=kernel_options(encoding, q))
+    mod, options = bias_score_mod(encoding, q, q_pos), kernel_options(encoding, q)
+    if sink is None:
+        return flex_run(q, k, v, mod, options=options)
+    out, lse = flex_run(q, k, v, mod, return_lse=True, options=options)
+    return sink.merge(out, lse, q, encoding, q_pos)

@@ -18,6 +18,10 @@ backward passes dO through to the attention (for q, k, v) and returns the parame
 the scheme what it declares and never names one; a learnable scheme without forms, or whose bias is not a function
 of distance alone, is refused here when gradients are on (``auto`` then keeps ``flex``). Positions are the
 self-attention window's, as in ``flex``.
+
+A sink (``posenc/attention/sink.py``) is merged through the row lse, which the node passes on as well: its gradient
+goes to the kernel's backward and into the forms' Δ (``GradientPlan.gradients``). On CPU the lse a sink
+differentiates is the scores' own, in query chunks (``dense_lse``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from torch import Tensor
 
 from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.attention.flex import bias_score_mod, check_self_attention, flex_run, kernel_options
-from posenc.attention.sdpa import sdpa_with_bias
+from posenc.attention.sdpa import MAX_MASK_ELEMENTS, sdpa_with_bias
+from posenc.attention.sink import SinkColumns
 from posenc.attention.tables import GradientPlan, dense_bias, has_gradient_forms, plan_gradient, table_score_mod
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path
@@ -48,43 +53,63 @@ def supports(encoding: PositionalEncoding) -> bool:
 
 
 def flex_gradients(
-    plan: GradientPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, options: Any = None
+    plan: GradientPlan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    options: Any = None,
+    dlse: Tensor | None = None,
 ) -> list[Tensor]:
     """The plan's parameter gradients, Identity 1's forwards on FlexAttention, each reading one table."""
 
     def attend(table: Tensor) -> tuple[Tensor, Tensor]:
         return flex_run(q, k, v, table_score_mod(table), return_lse=True, options=options)
 
-    return plan.gradients(q, k, v, out, lse, dout, attend)
+    return plan.gradients(q, k, v, out, lse, dout, attend, dlse)
 
 
 class _AttachBiasGradient(torch.autograd.Function):
-    """Identity on the attention output whose backward adds the bias parameters' gradients (see the docstring)."""
+    """Identity on the attention output and row lse whose backward adds the bias parameters' gradients."""
 
     @staticmethod
     def forward(
-        ctx: Any, out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, plan: GradientPlan, options: Any,
+        ctx: Any, out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, plan: GradientPlan, options: Any,
         *params: Tensor,
-    ) -> Tensor:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.options = plan, options
-        # A copy, not ``out`` or a view of it: an autograd.Function output that aliases an input is replayed as a
+        # Copies, not ``out`` or a view of it: an autograd.Function output that aliases an input is replayed as a
         # view by aot_autograd under torch.compile (its ViewMeta regenerated at run time, with symbolic sizes
         # under dynamic shapes: one path to the garbage-shape crash seen on an H100). One copy of (B, H, L, D) is
         # negligible next to the attention.
-        return out.clone()
+        return out.clone(), lse.clone()
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        grads = flex_gradients(ctx.plan, q, k, v, out, lse, dout, options=ctx.options)
-        return (dout, None, None, None, None, None, None, *grads)
+        grads = flex_gradients(ctx.plan, q, k, v, out, lse, dout, options=ctx.options, dlse=dlse)
+        return (dout, dlse, None, None, None, None, None, *grads)
+
+
+def dense_lse(q: Tensor, k: Tensor, bias: Any, pos: Tensor) -> Tensor:
+    """The causal row lse (B, H, L) fp32 of q·kᵀ/√D + ``bias(q_pos, k_pos)``, differentiable, in query chunks."""
+    rows = max(1, MAX_MASK_ELEMENTS // k.shape[-2])
+    parts = []
+    for start in range(0, q.shape[-2], rows):
+        chunk_pos = pos[start : start + rows]
+        scores = torch.matmul(q[:, :, start : start + rows].float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+        scores = (scores + bias(chunk_pos, pos)).masked_fill(pos[None, :] > chunk_pos[:, None], float("-inf"))
+        parts.append(scores.logsumexp(dim=-1))
+    return torch.cat(parts, dim=-1)
 
 
 def constant_bias_attention(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, pos: Tensor, with_lse: bool
+    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, pos: Tensor, with_lse: bool, lse_grad: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """(out, lse or None) with the bias held constant: out is differentiable in q, k, v only."""
+    """(out, lse or None) with the bias held constant: out (and with ``lse_grad`` the lse) differentiable in q, k, v."""
     mod = bias_score_mod(encoding, q, pos, detached=True)
     options = kernel_options(encoding, q)
     trains_qkv = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -93,9 +118,12 @@ def constant_bias_attention(
             return flex_run(q, k, v, mod, return_lse=True, options=options)
         return flex_run(q, k, v, mod, options=options), None
     # CPU training: flex has no backward, so the differentiable output comes from SDPA (and the lse from flex).
-    out = sdpa_with_bias(q, k, v, dense_bias(encoding, q.shape[-2], detached=True), pos, pos)
+    bias = dense_bias(encoding, q.shape[-2], detached=True)
+    out = sdpa_with_bias(q, k, v, bias, pos, pos)
     if not with_lse:
         return out, None
+    if lse_grad:  # a sink differentiates the lse too
+        return out, dense_lse(q, k, bias, pos)
     with torch.no_grad():
         return out, flex_run(q, k, v, mod, return_lse=True, options=options)[1]
 
@@ -109,6 +137,7 @@ def flex_learnable_attention(
     q_pos: Tensor,
     k_pos: Tensor,
     features: Tensor | None = None,
+    sink: SinkColumns | None = None,
 ) -> Tensor:
     refuse(encoding, "flex_learnable")
     check_self_attention(q, k, q_pos, k_pos)
@@ -119,8 +148,9 @@ def flex_learnable_attention(
         )
     plan = plan_gradient(encoding, q.shape[-2]) if torch.is_grad_enabled() else None
     bias_grad = plan is not None and len(plan.parameters) > 0
-    out, lse = constant_bias_attention(q, k, v, encoding, q_pos, with_lse=bias_grad)
-    if not bias_grad:
-        return out
-    detached = (t.detach() for t in (q, k, v, lse))
-    return _AttachBiasGradient.apply(out, *detached, plan, kernel_options(encoding, q), *plan.parameters)
+    out, lse = constant_bias_attention(q, k, v, encoding, q_pos, bias_grad or sink is not None, sink is not None)
+    if bias_grad:
+        lse = lse if sink is not None else lse.detach()  # without a sink nothing reads it: no gradient to pass on
+        detached = (t.detach() for t in (q, k, v))
+        out, lse = _AttachBiasGradient.apply(out, lse, *detached, plan, kernel_options(encoding, q), *plan.parameters)
+    return out if sink is None else sink.merge(out, lse, q, encoding, q_pos)

@@ -38,6 +38,14 @@ back to the table one total per distance. Training such a bias on CPU through SD
 differentiates a mask) cost 1.6–2.6× ALiBi's step; a learnable table that declares gradient forms therefore trains on
 SDPA's CPU flash kernel both ways, held constant there, with its parameters' gradients from the forms
 (``tables.CpuTableAttention``).
+
+A sink (``posenc/attention/sink.py``) puts its columns in front of the keys SDPA sees, since SDPA returns no row
+log-sum-exp to merge them with (``sdpa_with_sink``): a logit as a key of zeros whose score comes from one more channel
+(the query's 1 times the key's s / scale), so the mask stays the scheme's own (kept in ``MASKS`` for a fixed bias,
+boolean without a bias); sink tokens as their keys, with the scheme's bias at their position in the mask. A content
+bias reads every key in order, so there the tokens join the keys (``SinkColumns.prepend``) and a logit is a column of
+the chunk's mask. With a sink, a learnable table trains through the mask (SDPA's math kernel on CPU), not
+``CpuTableAttention``, and data-dependent ALiBi and FoX through their dense content bias, not the folded key term.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from posenc.attention import refuse, refuse_supplied_attention, register_backend
+from posenc.attention.sink import SinkColumns
 from posenc.attention.tables import CpuTableAttention, dense_bias, plan_gradient
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path, full_precision
@@ -119,17 +128,24 @@ def sdpa_attention(
     q_pos: Tensor,
     k_pos: Tensor,
     features: Tensor | None = None,
+    sink: SinkColumns | None = None,
 ) -> Tensor:
     refuse(encoding, "sdpa")
+    if sink is not None and not encoding.adds_content_bias:
+        return sdpa_with_sink(q, k, v, encoding, q_pos, k_pos, sink)
+    if sink is not None and sink.keys is not None:  # a content bias reads every key in order: the tokens join them
+        k, v, k_pos, features = sink.prepend(k, v, k_pos, features)
+        sink = None
     extra = q.shape[-1] - v.shape[-1]
     if extra > 0:  # q, k wider than v (PoPE): zero channels give v their width, the flash kernels need one
-        return sdpa_attention(q, k, F.pad(v, (0, extra)), encoding, q_pos, k_pos, features)[..., : v.shape[-1]]
+        return sdpa_attention(q, k, F.pad(v, (0, extra)), encoding, q_pos, k_pos, features, sink)[..., : v.shape[-1]]
     if encoding.adds_content_bias:
-        if not encoding.adds_bias and q.dtype in FOLDED_DTYPES and not cuda_path(q):
+        logit = None if sink is None else sink.logit
+        if logit is None and not encoding.adds_bias and q.dtype in FOLDED_DTYPES and not cuda_path(q):
             key_term = encoding.key_bias(k, k_pos, features)
             if key_term is not None:
                 return sdpa_with_key_bias(q, k, v, key_term, q_pos, k_pos)
-        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos, features)
+        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos, features, logit)
     if not encoding.adds_bias:
         if q_pos is k_pos:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -184,6 +200,63 @@ def sdpa_with_bias(
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 
+def sdpa_with_sink(
+    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, sink: SinkColumns
+) -> Tensor:
+    """Causal SDPA over the sink's columns in front of the keys, for a scheme whose bias reads positions only.
+
+    A logit s_h is a key of zeros with s_h / scale in one more channel, where every query has a 1 and every other key a
+    0: its score is s_h (rounded to the activations' dtype under bf16), and its gradient reaches s_h through that key.
+    Sink tokens are their rotated keys, biased at their position (``encoding.bias``: k columns). Every query sees the
+    columns; the keys' part of the mask is the scheme's, built one query chunk at a time as ``sdpa_with_bias`` builds
+    it, and kept in ``MASKS`` like it (it never reads the sink's parameters).
+    """
+    batch, heads, _, head_dim = q.shape
+    scale, width, dtype = head_dim**-0.5, sink.width, q.dtype
+    if sink.keys is None:
+        q = torch.cat((q, q.new_ones(*q.shape[:-1], 1)), dim=-1)
+        k = torch.cat((k, k.new_zeros(*k.shape[:-1], 1)), dim=-1)
+        folded = (sink.logit.float() / scale).to(dtype)[None, :, None, None].expand(batch, heads, 1, 1)
+        column = torch.cat((k.new_zeros(batch, heads, 1, head_dim), folded), dim=-1)
+        column_v = v.new_zeros(batch, heads, 1, v.shape[-1])
+    else:
+        column, column_v = sink.keys.to(dtype), sink.values.to(v.dtype)
+    keys = torch.cat((column, k), dim=-2)
+    values = F.pad(torch.cat((column_v, v), dim=-2), (0, q.shape[-1] - v.shape[-1]))  # SDPA's kernels: one width
+    bias = dense_bias(encoding, k.shape[-2]) if encoding.adds_bias else None
+
+    def mask(chunk_q_pos: Tensor, chunk_k_pos: Tensor) -> Tensor:  # (1, 1 or H, rows, C + keys)
+        if bias is None:
+            causal = chunk_k_pos[None, :] <= chunk_q_pos[:, None]
+            return torch.cat((causal.new_ones(len(chunk_q_pos), width), causal), dim=-1)[None, None]
+        keys_part = causal_mask(bias(chunk_q_pos, chunk_k_pos), chunk_q_pos, chunk_k_pos, dtype)
+        if sink.keys is None:
+            front = keys_part.new_zeros(1, heads, len(chunk_q_pos), width)
+        else:
+            front = encoding.bias(chunk_q_pos, sink.pos).to(dtype)[None]
+        return torch.cat((front, keys_part), dim=-1)
+
+    key = mask_key(encoding, q_pos, k_pos, dtype)
+    key = None if key is None else (key, "sink", width, sink.keys is None)
+    self_attention = q_pos is k_pos
+    rows = max(1, MAX_MASK_ELEMENTS // (width + k.shape[-2]))
+    chunks = []
+    for start in range(0, q.shape[-2], rows):
+        end = start + rows
+        seen = slice(0, width + end) if self_attention else slice(None)  # later keys are all masked for this chunk
+        chunk_q_pos = q_pos[start:end]
+        chunk_k_pos = k_pos[: seen.stop - width] if self_attention else k_pos
+        whole = start == 0 and end >= q.shape[-2]
+        chunk_mask = MASKS.get(key if whole else None, lambda p=chunk_q_pos, kp=chunk_k_pos: mask(p, kp))
+        chunks.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end], keys[:, :, seen], values[:, :, seen], attn_mask=chunk_mask, scale=scale
+            )
+        )
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
+    return out[..., : v.shape[-1]]
+
+
 def content_chunk_elements(device: torch.device) -> int:
     """(query, key) pairs over batch and heads that one chunk of a content bias may hold on ``device``.
 
@@ -206,8 +279,11 @@ def sdpa_with_content_bias(
     q_pos: Tensor,
     k_pos: Tensor,
     features: Tensor | None = None,
+    logit: Tensor | None = None,
 ) -> Tensor:
     """Causal SDPA with the scheme's content bias (plus its position bias, if any), one query chunk at a time.
+
+    ``logit`` (H,): a sink's column, a key and a value of zeros in front of the chunk's keys, scored by the mask alone.
 
     A scheme that ``reads_scores`` (CoPE, DAPE) gets each chunk's fp32 scaled scores from here on CPU, computed
     once. When the bias needs a gradient, SDPA could only run its math kernel, which computes the same scores a
@@ -232,6 +308,11 @@ def sdpa_with_content_bias(
         if encoding.adds_bias:
             mask = mask + encoding.bias(chunk_q_pos, chunk_k_pos)
         mask = mask.masked_fill(chunk_k_pos[None, None, None, :] > chunk_q_pos[None, None, :, None], float("-inf"))
+        if logit is not None:
+            mask = torch.cat((logit.float()[None, :, None, None].expand(*mask.shape[:-1], 1), mask), dim=-1)
+            chunk_k = torch.cat((chunk_k.new_zeros(*chunk_k.shape[:2], 1, chunk_k.shape[-1]), chunk_k), dim=-2)
+            chunk_v = torch.cat((chunk_v.new_zeros(*chunk_v.shape[:2], 1, chunk_v.shape[-1]), chunk_v), dim=-2)
+            scores = None if scores is None else torch.cat((scores.new_zeros(*scores.shape[:-1], 1), scores), dim=-1)
         if scores is not None and torch.is_grad_enabled() and mask.requires_grad:
             probs = (scores + mask).softmax(dim=-1)
             chunks.append(torch.matmul(probs, chunk_v.float()).to(q.dtype))

@@ -151,10 +151,24 @@ class GradientPlan:
     parameters: list[Tensor]  # one per form, derivatives then tables (a repeated one gets its grads summed)
 
     def gradients(
-        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, attend: AttendTable
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dout: Tensor,
+        attend: AttendTable,
+        dlse: Tensor | None = None,
     ) -> list[Tensor]:
-        """Each parameter's gradient, aligned with ``parameters``; ``attend`` runs Identity 1's forwards."""
+        """Each parameter's gradient, aligned with ``parameters``; ``attend`` runs Identity 1's forwards.
+
+        ``dlse`` (B, H, L): the row lse's own gradient, when something read it (a sink merged through it). It adds
+        P_ij dℓ_i to dS_ij, which is Δ_i − dℓ_i in place of Δ_i, and makes row i of dS sum to dℓ_i, not 0.
+        """
         deltas = row_deltas(out, dout)
+        if dlse is not None:
+            deltas = deltas - dlse.float()
         grads = []
         for form, shifted in zip(self.derivatives, self.shifted, strict=True):
             out_f, lse_f = attend(shifted)
@@ -165,7 +179,8 @@ class GradientPlan:
             grads.append(form.scale * derivative_sums(lse, dout, deltas, out_f, lse_f))
         if self.tables:
             diagonals = diagonal_sums(q, k, v, lse, dout, deltas, self.band)
-            grads += [table_gradient(form, diagonals) for form in self.tables]
+            totals = None if dlse is None else dlse.float().sum(dim=(0, 2))  # Σ_ij dS_ij per head
+            grads += [table_gradient(form, diagonals, totals) for form in self.tables]
         return [grad.to(p.dtype) for grad, p in zip(grads, self.parameters, strict=True)]
 
 

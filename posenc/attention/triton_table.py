@@ -10,6 +10,9 @@ no scheme is named here. A scheme without a bias runs with no table.
 The kernels are two custom operators, ``posenc::table_attention`` (out and the row log-sum-exp) and
 ``posenc::table_attention_backward`` (dq, dk, dv and the table's gradient), with their autograd and fake (shape-only)
 implementations registered: inside ``torch.compile`` each is one node of the block's graph, never a graph break.
+A sink (``posenc/attention/sink.py``) is merged with the output through the lse; the lse's gradient dℓ enters the
+backward as Δ_i − dℓ_i in place of Δ_i = dO_i · O_i (dS_ij = P_ij (dO_i · v_j − Δ_i + dℓ_i)), so the kernels stay as
+they are.
 The table's gradient adds tiles with atomics, whose order varies between runs; under
 ``torch.use_deterministic_algorithms(True)`` (what ``trainer.deterministic=true`` sets) the backward writes each
 block of distances once per query block into a buffer and sums it in a fixed order instead: the same bits on every
@@ -39,6 +42,7 @@ from torch import Tensor
 
 from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.attention.bias_grad import row_deltas
+from posenc.attention.sink import SinkColumns
 from posenc.attention.triton_launch import backward_launches, forward_launch, table_gradient_buffer
 from posenc.encodings.base import PositionalEncoding
 
@@ -88,14 +92,26 @@ def _(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> tuple[Tensor, Te
 
 @torch.library.custom_op("posenc::table_attention_backward", mutates_args=())
 def table_attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, table: Tensor | None, bias_grad: bool
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    table: Tensor | None,
+    bias_grad: bool,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv and (``bias_grad``) the table's gradient (H, L) fp32; without it an empty (0,) tensor."""
+    """dq, dk, dv and (``bias_grad``) the table's gradient (H, L) fp32; without it an empty (0,) tensor.
+
+    ``dlse`` (B, H, L): the lse's own gradient, when a caller read it (a sink).
+    """
     module = check_device(q)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     batch, heads, length, _ = q.shape
     dout = dout.to(q.dtype).contiguous()
-    delta = row_deltas(out, dout).contiguous()  # Δ_i = dO_i · O_i in fp32, autocast or not
+    delta = row_deltas(out, dout)  # Δ_i = dO_i · O_i in fp32, autocast or not
+    delta = (delta if dlse is None else delta - dlse.float()).contiguous()
     dq, dk, dv = (torch.empty_like(dout) for _ in range(3))
     table = table.float().contiguous() if table is not None else None
     deterministic = bias_grad and torch.are_deterministic_algorithms_enabled()
@@ -112,7 +128,15 @@ def table_attention_backward(
 
 @table_attention_backward.register_fake
 def _(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, table: Tensor | None, bias_grad: bool
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    table: Tensor | None,
+    bias_grad: bool,
+    dlse: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     heads, length = q.shape[1], q.shape[2]
     dtable = q.new_empty((heads, length) if bias_grad else (0,), dtype=torch.float32)
@@ -128,11 +152,11 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k, v, out, lse, table = ctx.saved_tensors
     bias_grad = table is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dtable = table_attention_backward(dout, q, k, v, out, lse, table, bias_grad)
+    dq, dk, dv, dtable = table_attention_backward(dout, q, k, v, out, lse, table, bias_grad, dlse)
     return dq, dk, dv, dtable if bias_grad else None
 
 
-# The lse is an output for the backward only: it is saved, and a caller never differentiates through it.
+# The lse is saved for the backward, and a caller may differentiate through it (a sink merges with it).
 table_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -210,7 +234,9 @@ def triton_attention(
     q_pos: Tensor,
     k_pos: Tensor,
     features: Tensor | None = None,
+    sink: SinkColumns | None = None,
 ) -> Tensor:
     check_supported(q, k, v, encoding, q_pos, k_pos)
     table = encoding.distance_bias(q.shape[-2]).float() if encoding.adds_bias else None  # (H, L), differentiable
-    return table_attention(q, k, v, table)[0]
+    out, lse = table_attention(q, k, v, table)
+    return out if sink is None else sink.merge(out, lse, q, encoding, q_pos)

@@ -147,6 +147,8 @@ class PositionalEncoding(nn.Module):
     - ``reads_layer_input``: ``token_features`` is not ``None`` (per-token features read from the layer's input x).
     - ``supplies_attention``: ``attention_weights``/``attend`` are the attention itself, in place of
       softmax(q·kᵀ/√D + bias); there is no score to bias.
+    - ``own_sink``: for such a scheme, what in its attention already takes the attention no key takes, in words (said
+      when ``model.sink`` is refused with it, ``posenc/attention/sink.py``); empty when nothing does.
     - ``score_mod_differentiable``: FlexAttention may differentiate ``score_mod`` with respect to its parameters.
     - ``score_mod_reads_table``: ``score_mod`` gathers from a table at a per-score index (smaller kernel tiles).
     - ``max_positions``: ``None`` when any length is accepted; a number when the scheme cannot go further.
@@ -166,6 +168,7 @@ class PositionalEncoding(nn.Module):
     reads_scores: ClassVar[bool] = False  # content_bias reads q·kᵀ/√D, which a backend may pass it (``scores``)
     reads_layer_input: ClassVar[bool] = False
     supplies_attention: ClassVar[bool] = False
+    own_sink: ClassVar[str] = ""
     # FlexAttention can differentiate the score_mod's trainable tensors on a GPU. Inductor lowers a score_mod's
     # gradient only for trainable tensors read by index, each indexed once per score (its joint-graph check), and
     # adds into them atomically once per score. A scheme whose score_mod it cannot lower says False (FIRE's MLP: the

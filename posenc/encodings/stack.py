@@ -36,6 +36,7 @@ class Stack(PositionalEncoding):
         self.reads_scores = any(m.reads_scores for m in members)
         self.reads_layer_input = any(m.reads_layer_input for m in members)
         self.supplies_attention = any(m.supplies_attention for m in members)
+        self.own_sink = next((m.own_sink for m in members if m.own_sink), "")
         self.score_mod_differentiable = all(m.score_mod_differentiable for m in members)
         self.qk_width = math.prod(m.qk_width for m in members)
         self.scales_with_length = any(m.scales_with_length for m in members)

@@ -222,6 +222,7 @@ class StickBreaking(PositionalEncoding):
 
     name = "stick_breaking"
     supplies_attention = True  # reads q and k only: the keys' ``features`` are ignored
+    own_sink = "its remainder, what no key takes, already goes to a value of its own: a sink of its own"
 
     def __init__(self, num_heads: int, head_dim: int, remainder: str = "value", head_norm: bool = False) -> None:
         super().__init__(num_heads, head_dim)

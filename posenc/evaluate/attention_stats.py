@@ -4,7 +4,9 @@ Per layer and head, at each evaluated length, over every query of some windows o
 
 - **distance**: mean attended distance Σ_j p_ij · (i − j), in tokens (how far back the head looks);
 - **entropy**: attention entropy −Σ_j p_ij log p_ij, in nats (log of how many keys it spreads over);
-- **sink**: sink mass p_i0, the probability on the window's first token (attention collapsing onto it).
+- **sink**: sink mass p_i0, the probability on the window's first token (attention collapsing onto it);
+- **explicit**: the probability on the model's own sink (``model.sink``: its logit column or its sink tokens), 0
+  without one. With a sink, distance and the first token's mass read the window's keys, and entropy the whole row.
 
 The first query of a window is left out: it can only attend to itself, so its values say nothing. Probabilities
 come from the scheme's dense reference (``posenc.probe``: rotate and bias through the contract), one chunk of
@@ -24,12 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from posenc.attention.eager import attention_weights
+from posenc.attention.sink import SinkColumns
 from posenc.data.retrieval import RETRIEVAL_TASKS, evaluation_options, task_dataset
 from posenc.encodings.base import PositionalEncoding
 from posenc.evaluate.plots import plot_heatmap_grid, plot_lines
 from posenc.probe import visit_layers
 
-STATS = ("distance", "entropy", "sink")
+STATS = ("distance", "entropy", "sink", "explicit")
 MAX_SCORES = 1 << 22  # scores held at once (B × H × rows × keys): 16 MiB of fp32
 
 
@@ -40,10 +43,11 @@ def layer_sums(
     pos: Tensor,
     max_scores: int,
     features: Tensor | None = None,
+    sink: SinkColumns | None = None,
 ) -> dict[str, Tensor]:
-    """Per head (H,): the three statistics summed over queries 1..L-1 of every window, and ``queries`` counted.
+    """Per head (H,): the statistics summed over queries 1..L-1 of every window, and ``queries`` counted.
 
-    ``features`` (B, L, F) are the keys' features of a scheme that reads the layer's input.
+    ``features`` (B, L, F) are the keys' features of a scheme that reads the layer's input; ``sink`` the layer's sink.
     """
     batch, heads, length, _ = q.shape
     rows = max(1, max_scores // (batch * heads * length))
@@ -52,11 +56,14 @@ def layer_sums(
         end = min(start + rows, length)
         keys = slice(0, end)  # keys after the chunk's last query are masked for all of its queries: leave them out
         seen = None if features is None else features[:, keys]  # the features of the keys it sees
-        probs = attention_weights(q[:, :, start:end], k[:, :, keys], encoding, pos[start:end], pos[keys], seen)
+        row = attention_weights(q[:, :, start:end], k[:, :, keys], encoding, pos[start:end], pos[keys], seen, sink)
+        width = 0 if sink is None else sink.width
+        probs = row[..., width:]  # the window's keys
         distance = (pos[start:end, None] - pos[None, keys]).clamp(min=0).float()  # (r, K)
         sums["distance"] += (probs * distance).sum(dim=(0, 2, 3)).double()
-        sums["entropy"] += torch.special.entr(probs).sum(dim=(0, 2, 3)).double()
+        sums["entropy"] += torch.special.entr(row).sum(dim=(0, 2, 3)).double()
         sums["sink"] += probs[..., 0].sum(dim=(0, 2)).double()
+        sums["explicit"] += row[..., :width].sum(dim=(0, 2, 3)).double()
     sums["queries"] = torch.full((heads,), batch * (length - 1), dtype=torch.float64)
     return sums
 
@@ -73,9 +80,16 @@ def attention_statistics(
     totals: dict[int, dict[str, Tensor]] = {}
 
     def accumulate(
-        layer: int, q: Tensor, k: Tensor, encoding: PositionalEncoding, pos: Tensor, features: Tensor | None
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        encoding: PositionalEncoding,
+        pos: Tensor,
+        features: Tensor | None,
+        sink: SinkColumns | None,
     ) -> None:
-        sums = {name: value.cpu() for name, value in layer_sums(q, k, encoding, pos, max_scores, features).items()}
+        sums = layer_sums(q, k, encoding, pos, max_scores, features, sink)
+        sums = {name: value.cpu() for name, value in sums.items()}
         totals[layer] = {name: totals[layer][name] + sums[name] for name in sums} if layer in totals else sums
 
     was_training = model.training
