@@ -69,6 +69,14 @@ def _lineage_tag(target: str | None) -> str:
     return "-finetuned"
 
 
+def _sink_tag(sink: str | None, tokens: Any = 1) -> str:
+    """``-sink_learned`` for a run with ``model.sink=learned`` (``-sink_tokens4`` for four tokens), else nothing."""
+    if sink is None or sink == "none":
+        return ""
+    count = "" if sink != "tokens" or tokens in (None, 1) else str(tokens)
+    return f"-sink_{sink}{count}"
+
+
 def _gpus(accelerator: str, devices: Any) -> Any:
     """GPUs a SLURM job asks for on each node: none for a CPU run (a partition without GPUs refuses any request)."""
     return None if accelerator == "cpu" else devices
@@ -83,6 +91,8 @@ def register_resolvers() -> None:
     ``${posenc.scaling:${oc.select:model.context_scaling,null}}``: ``-yarn4`` for a run trained with a RoPE context
     scaling, and ``${posenc.lineage:${oc.select:init_from,null}}``: ``-from-alibi`` for a run fine-tuned from an
     ALiBi run, so that the run name says both (``rope-yarn4-from-rope-L256-s0``);
+    ``${posenc.sink:${oc.select:model.sink,none},${oc.select:model.sink_tokens,1}}``: ``-sink_learned`` for a run whose
+    attention has a sink (``alibi-sink_learned-L64-s0``);
     ``${posenc.gpus:${trainer.accelerator},${trainer.devices}}``: the GPUs per node a SLURM job asks for;
     ``${posenc.options:evaluate}``: every setting as ``key=default``, with what it accepts (the ``--help`` of
     ``posenc.evaluate``).
@@ -95,6 +105,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("posenc.scaling", _scaling_tag)
     if not OmegaConf.has_resolver("posenc.lineage"):
         OmegaConf.register_new_resolver("posenc.lineage", _lineage_tag)
+    if not OmegaConf.has_resolver("posenc.sink"):
+        OmegaConf.register_new_resolver("posenc.sink", _sink_tag)
     if not OmegaConf.has_resolver("posenc.gpus"):
         OmegaConf.register_new_resolver("posenc.gpus", _gpus)
     if not OmegaConf.has_resolver("posenc.options"):

@@ -53,7 +53,7 @@ RUNTIME_KEYS = (
 # Settings added after runs were made, each with what a config that lacks it did: a relaunched sweep and the report's
 # pooling read a missing key as that value. An older run scored the head of the split, trained its scheme at the
 # model's lr, (MQAR) put its key-value block at the window's start, started from no other run, trained RoPE
-# unscaled, and evaluated without a length scaling of the scores.
+# unscaled, evaluated without a length scaling of the scores, and gave attention no sink of its own.
 INTRODUCED = {
     "eval.sample": "head",
     "optim.scheme_lr_multiplier": 1.0,
@@ -63,6 +63,8 @@ INTRODUCED = {
     "eval.attention_scale": None,
     "eval.max_containment": None,
     "optim.tuned": None,
+    "model.sink": "none",
+    "model.sink_tokens": 1,
 }
 
 

@@ -85,6 +85,19 @@ class Model(Section):
     tie_embeddings: bool = Field(description="the output head shares the token embedding")
     init: Literal["gpt2", "pytorch"] = Field(description="weight initialisation (posenc/model.py says what it changed)")
     context_scaling: ContextScaling | None = Field(description="a RoPE context scaling built into the model")
+    sink: Literal["none", "zero", "learned", "tokens"] = Field(
+        description="every layer's attention sink: none, a zero logit, a learned logit per head, or sink tokens"
+    )
+    sink_tokens: Count = Field(description="sink=tokens: key-value pairs in front of every layer's keys")
+
+    @model_validator(mode="after")
+    def _tokens_with_tokens(self) -> Model:
+        if self.sink_tokens != 1 and self.sink != "tokens":
+            raise ValueError(
+                f"model.sink_tokens={self.sink_tokens} counts sink tokens, and model.sink={self.sink}: set "
+                "model.sink=tokens, or leave model.sink_tokens at 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heads_divide_dim(self) -> Model:

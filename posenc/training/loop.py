@@ -219,7 +219,12 @@ def fit(
         "train_conditions": {
             **accounting_callback.conditions(module.device),
             # Which backend each layer's scheme trained on: ``auto`` resolves by device and declaration.
-            "resolved": resolved(config["attention"]["name"], module.model.layer_encodings, module.device),
+            "resolved": resolved(
+                config["attention"]["name"],
+                module.model.layer_encodings,
+                module.device,
+                sink=module.model.sink != "none",
+            ),
         },
         "checkpoint": str(run_dir / CHECKPOINT),
         "val_loss": float(trainer.callback_metrics.get("val/loss", float("nan"))),
