@@ -6,7 +6,8 @@ A run directory holds:
   ``checkpoints/last-previous.ckpt`` the one before it, what a resume falls back on if the latest cannot be read;
 - ``run.json``: the summary (steps, tokens, eval figures), refreshed when the run is re-evaluated;
 - ``done.json``: written last, the mark of a complete run (a relaunched sweep skips it);
-- ``failed.json``: why a run stopped (a non-finite loss); a relaunch retries it and the report lists it apart;
+- ``failed.json``: why a run stopped (a non-finite loss), and its stability record up to there; a relaunch retries it
+  and the report lists it apart;
 - ``wandb_id``: the W&B run id, so a resumed run continues its own W&B run; ``wandb_step``: the last W&B step
   it logged at, so that an evaluation after training logs past it (``posenc.runs.loggers``).
 
@@ -61,9 +62,15 @@ def write_done(run_dir: Path, config: Mapping[str, Any], steps: int) -> None:
     write_json(run_dir / DONE_FILE, record)
 
 
-def write_failed(run_dir: Path, config: Mapping[str, Any], reason: str, step: int) -> None:
-    """Record why a run stopped; the report lists it apart, a relaunched sweep retries it."""
+def write_failed(
+    run_dir: Path, config: Mapping[str, Any], reason: str, step: int, details: Mapping[str, Any] | None = None
+) -> None:
+    """Record why a run stopped; the report lists it apart, a relaunched sweep retries it.
+
+    ``details``: what the run measured before it stopped (its ``stability`` record), kept beside the reason.
+    """
     record = {"run_name": config.get("run_name"), "failed_at": now(), "step": step, "reason": reason, "config": config}
+    record.update(details or {})
     write_json(run_dir / FAILED_FILE, record)
 
 

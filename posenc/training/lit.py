@@ -76,6 +76,7 @@ class LitDecoder(L.LightningModule):
         self.register_buffer("nonfinite_what", torch.tensor(0), persistent=False)
         self.register_buffer("nonfinite_loss", torch.tensor(0.0), persistent=False)
         self.check_every = 1
+        self.grad_norm: Tensor | None = None  # the last step's global gradient norm, read by the stability monitor
 
     def on_fit_start(self) -> None:
         self.check_every = finite_check_interval(self.device, self.trainer.log_every_n_steps)
@@ -113,7 +114,9 @@ class LitDecoder(L.LightningModule):
         # exactly when some entry is; the weights it produces never reach a checkpoint (on_save_checkpoint).
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
-            self.record_nonfinite(~torch.stack(torch._foreach_norm(grads)).isfinite().all(), GRADIENT)
+            norms = torch.stack(torch._foreach_norm(grads))
+            self.record_nonfinite(~norms.isfinite().all(), GRADIENT)
+            self.grad_norm = torch.linalg.vector_norm(norms.float())  # the global norm, before clipping (stability.py)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.global_step % self.check_every == 0:

@@ -53,6 +53,7 @@ from posenc.runtime import resolve_precision
 from posenc.training.callbacks import SaveOnInterrupt, TokenAccounting
 from posenc.training.console import CountedModelSummary, quiet_libraries, route_lightning_logging
 from posenc.training.lit import DivergedError, LitDecoder
+from posenc.training.stability import StabilityMonitor
 
 
 def fit(
@@ -68,7 +69,8 @@ def fit(
 
     Ends by writing ``run_dir/done.json`` on rank zero, after the evaluation and the loggers: a run without it
     did not finish, which is how a relaunched sweep tells what to skip. A non-finite loss stops the run with
-    ``failed.json`` and a ``RunError`` naming the step; the last checkpoint on disk is the last good one.
+    ``failed.json`` (with its stability record up to there) and a ``RunError`` naming the step; the last checkpoint
+    on disk is the last good one. ``run.json`` records the run's stability (``posenc/training/stability.py``).
     """
     route_lightning_logging()
     quiet_libraries()
@@ -127,6 +129,7 @@ def fit(
         accounting_callback := TokenAccounting(trainer_cfg["max_steps"], resume_step),
         SaveOnInterrupt(run_dir / CHECKPOINT, resume_command or f"resume=last in {run_dir}"),
         drift := PositionalDrift(trainer_cfg["max_steps"], seq_len),
+        stability := StabilityMonitor(trainer_cfg["max_steps"]),
     ]
     if loggers:  # it only logs, and refuses to run without a logger
         callbacks.append(LearningRateMonitor(logging_interval="step"))
@@ -179,8 +182,9 @@ def fit(
         checkpoint = run_dir / CHECKPOINT
         kept = f"the last good checkpoint is {checkpoint}" if checkpoint.exists() else "no checkpoint was saved"
         message = f"{config['run_name']}: training diverged: {err}; {kept}. Lower optim.lr or raise warmup"
-        if trainer.is_global_zero:
-            write_failed(run_dir, config, str(err), err.step)
+        if trainer.is_global_zero:  # kept as diverged, with what it measured up to there (the report's stability)
+            details = {"label": label, "diverged": True, "stability": stability.record()}
+            write_failed(run_dir, config, str(err), err.step, details)
         raise RunError(message) from None
     except BaseException as err:
         full = _disk_full(err)
@@ -232,6 +236,7 @@ def fit(
         "eval": _eval_summary(evaluation, run_dir),
         "scheme_lr_multiplier": float(config["optim"].get("scheme_lr_multiplier", 1.0)),
         "positional_drift": (positional_drift := drift.record(module.model)),
+        "stability": stability.record(),
     }
     try:
         finish_loggers(loggers, success=True)
