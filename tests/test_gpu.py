@@ -103,6 +103,33 @@ def test_auto_on_cuda_matches_eager(name: str) -> None:
         torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("sink", ["zero", "learned", "tokens"])
+@pytest.mark.parametrize("name", ["rope", "alibi", "kerple_log", "t5"])
+def test_a_sink_through_every_cuda_backend_matches_eager(name: str, sink: str) -> None:
+    # Compiled FlexAttention (and the table kernel) with the sink merged through their lse: logits and every
+    # gradient, the sink's included, against the dense reference, in fp32 at a length past one 128 block.
+    from posenc.attention import scheme_refusal
+
+    torch.manual_seed(0)
+    reference = Decoder(name, vocab_size=64, dim=256, depth=2, heads=4, attention="eager", sink=sink).cuda()
+    tokens = torch.randint(0, 64, (2, 300), device="cuda")
+    weights = torch.randn(2, 300, 64, device="cuda")
+    layer = reference.layer_encodings[0]
+    backends = [b for b in ("auto", "flex", "flex_learnable", "triton") if scheme_refusal(b, layer) is None]
+    backends = [b for b in backends if b != "flex_learnable" or supports(layer)]
+    results = {}
+    for backend in ["eager", *backends]:
+        model = Decoder(name, vocab_size=64, dim=256, depth=2, heads=4, attention=backend, sink=sink).cuda()
+        model.load_state_dict(reference.state_dict())
+        logits = model(tokens)
+        (logits * weights).sum().backward()
+        results[backend] = [logits.detach(), *(p.grad for p in model.parameters() if p.requires_grad)]
+    expected = results.pop("eager")
+    for backend, got in results.items():
+        for value, wanted in zip(got, expected, strict=True):
+            torch.testing.assert_close(value, wanted, atol=1e-4, rtol=1e-3, msg=lambda m, b=backend: f"{b}: {m}")
+
+
 @pytest.mark.parametrize("name", FLEX_TRAINS)
 def test_flex_matches_eager_on_cuda_fp32(name: str) -> None:
     got, expected = _run("flex", name, 300, torch.float32), _run("eager", name, 300, torch.float32)

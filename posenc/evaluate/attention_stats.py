@@ -33,6 +33,8 @@ from posenc.evaluate.plots import plot_heatmap_grid, plot_lines
 from posenc.probe import visit_layers
 
 STATS = ("distance", "entropy", "sink", "explicit")
+# What a record written before a statistic existed held: no model had a sink of its own then.
+ABSENT = {"explicit": 0.0}
 MAX_SCORES = 1 << 22  # scores held at once (B × H × rows × keys): 16 MiB of fp32
 
 
@@ -129,7 +131,11 @@ def mean_by_length(rows: list[dict[str, Any]], stat: str, layer: int | None = No
     lengths = sorted({row["length"] for row in rows})
     means = []
     for length in lengths:
-        values = [r[stat] for r in rows if r["length"] == length and (layer is None or r["layer"] == layer)]
+        values = [
+            r[stat] if stat not in ABSENT else r.get(stat, ABSENT[stat])
+            for r in rows
+            if r["length"] == length and (layer is None or r["layer"] == layer)
+        ]
         means.append(sum(values) / len(values))
     return lengths, means
 

@@ -11,9 +11,15 @@ from posenc.training.identity import columns
 
 ATTENTION_STATS = {
     "sink": "Sink mass: attention probability on the window's first token",
+    "explicit": "The model's own sink's mass (model.sink: its logit column or its sink tokens; 0 without one)",
     "distance": "Mean attended distance in tokens",
     "entropy": "Attention entropy in nats",
 }
+
+
+def has_sink(run: dict[str, Any]) -> bool:
+    """Whether a run's model had a sink of its own: the explicit sink's table is shown only where one did."""
+    return any(row.get("explicit") for row in run.get("attention_stats") or [])
 
 
 def attention_groups(results: list[dict[str, Any]]) -> dict[tuple[int, str], Columns]:
@@ -36,12 +42,17 @@ def attention_means(run: dict[str, Any], stat: str) -> dict[int, float]:
 
 
 def attention_tables(results: list[dict[str, Any]], appendix: Appendix | None = None) -> str:
-    """Sink mass, mean attended distance and entropy by length (mean over layers and heads), one column per scheme."""
+    """Sink mass, mean attended distance and entropy by length (mean over layers and heads), one column per scheme.
+
+    The model's own sink's mass too, where a run had one.
+    """
     out = []
     for (train_len, data), by_label in sorted(attention_groups(results).items()):
         labels = order(by_label)
         lengths = sorted({n for runs in by_label.values() for run in runs for n in attention_means(run, "sink")})
-        for stat, what in ATTENTION_STATS.items():
+        sinks = any(has_sink(run) for runs in by_label.values() for run in runs)
+        for stat in [stat for stat in ATTENTION_STATS if stat != "explicit" or sinks]:
+            what = ATTENTION_STATS[stat]
             out += [
                 f"## Attention: {stat} by length, trained at L={train_len} on {data}",
                 "",

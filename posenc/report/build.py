@@ -31,6 +31,7 @@ from posenc.report.preset import DEFAULT_REFERENCES, preset_section
 from posenc.report.protocols import protocol_tables
 from posenc.report.retrieval import retrieval_tables
 from posenc.report.sensitivity import sensitivity_tables
+from posenc.report.stability import stability_plots, stability_section
 from posenc.report.tasks import task_tables
 from posenc.report.tuning import tuning_section
 
@@ -88,6 +89,7 @@ def build_report(
     cost_only: bool = False,
     tuning_only: bool = False,
     budgets_only: bool = False,
+    stability_only: bool = False,
 ) -> str:
     """Write report.md (and plots) to ``out_dir``; return the markdown (``write=False``: the plots only).
 
@@ -103,7 +105,9 @@ def build_report(
     ``bench`` (``benchcost.find_bench``) adds the training cost measured side by side and gives the cost chart its
     x; ``cost_only`` keeps only what prices the columns: that table, the protocols side by side and the chart.
     ``tuning_only``: the tuning grid and the setting selected for each scheme (``posenc/report/tuning.py``), alone;
-    ``budgets_only``: each scheme's rank at every training budget and whether the ranking holds (``budgets.py``).
+    ``budgets_only``: each scheme's rank at every training budget and whether the ranking holds (``budgets.py``);
+    ``stability_only``: each scheme's learning-rate sensitivity, highest stable rate and spikes over a grid of rates,
+    its diverged runs counted as diverged (``stability.py``), and the figure of loss against rate.
     """
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
@@ -143,6 +147,8 @@ def build_report(
     sections += cost_section(results, bench) if bench else []
     if tuning_only:
         sections += tuning_section(results)
+    elif stability_only:
+        sections += stability_section([*results, *failed])
     elif budgets_only:
         sections += budget_tables(results)
     elif cost_only:
@@ -159,6 +165,8 @@ def build_report(
     cost_chart = functools.partial(cost_plots_of, bench=bench)
     figures = [cost_chart] if cost_only else [cost_chart if f is cost_plots_of else f for f in FIGURES]
     figures = [] if tuning_only or budgets_only else figures
+    if stability_only:
+        figures = [lambda counted, folder: stability_plots([*counted, *failed], folder)]
     images = [image for figure in figures for image in figure(results, out_dir)] if make_plots else []
     if images:
         sections += ["", "## Plots", ""] + [f"![{image.stem}]({image.name})" for image in images]

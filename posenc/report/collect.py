@@ -16,9 +16,11 @@ from posenc.training.identity import identity, shown_label
 def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = None) -> list[dict[str, Any]]:
     """Load every results.json under ``paths`` (files or directories, searched recursively), and every failed run.
 
-    A failed run (``failed.json``: it stopped on a non-finite loss) comes back as ``{"failed": reason, ...}`` and is
-    listed apart, never pooled. A file that cannot be read is skipped and named in ``unreadable`` with the reason.
-    Hidden folders are not searched: they hold an evaluation being written (``posenc/evaluate/outputs.py``).
+    A failed run (``failed.json``: it stopped on a non-finite loss) comes back as ``{"failed": reason, ...}`` with its
+    config and stability record, and is listed apart, never pooled; the stability section counts it as diverged.
+    A result carries its run's ``stability`` record (``run.json``). A file that cannot be read is skipped and named in
+    ``unreadable`` with the reason. Hidden folders are not searched: they hold an evaluation being written
+    (``posenc/evaluate/outputs.py``).
     """
     found: list[dict[str, Any]] = []
     for raw in paths:
@@ -35,12 +37,18 @@ def find_results(paths: Iterable[str | Path], unreadable: list[str] | None = Non
                 continue
             data["_source"] = str(file)
             data.setdefault("training", _recorded_training(file))
+            stability = data.get("stability") or _run_summary(file).get("stability")
+            if stability is not None:
+                data["stability"] = stability
             found.append(data)
         failures = [*path.rglob(FAILED_FILE), *path.rglob(FAILED_FILE + KEPT)]
         for file in [] if path.is_file() else _visible(path, failures):
             try:
                 record = read_record(file)
-                found.append({"failed": record["reason"], "run_name": record["run_name"], "_source": str(file)})
+                failed = {"failed": record["reason"], "run_name": record["run_name"], "_source": str(file)}
+                # What a diverged run measured, for the sections that count it as diverged (stability.py)
+                failed.update({key: record[key] for key in ("config", "label", "stability", "step") if key in record})
+                found.append(failed)
             except (OSError, UnicodeDecodeError, ValueError, KeyError) as err:
                 if unreadable is not None:
                     unreadable.append(f"{file}: {_why(err)}")
@@ -63,20 +71,29 @@ def _why(err: Exception) -> str:
     return str(err)
 
 
+def _results_run(results_file: Path) -> Path:
+    """The run directory a results file belongs to (its ``eval*/`` folder's parent)."""
+    folder = results_file.parent
+    return folder.parent if folder.name.startswith("eval") else folder
+
+
+def _run_summary(results_file: Path) -> dict[str, Any]:
+    """The ``run.json`` of a result's run; empty when there is none or it cannot be read."""
+    path = _results_run(results_file) / RUN_FILE
+    try:
+        return read_record(path) if record_path(path) is not None else {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+
+
 def _recorded_training(results_file: Path) -> dict[str, Any]:
     """Steps and tokens of a result written before results recorded them: from its run's ``run.json``.
 
     A run directory with a checkpoint but no ``done.json`` did not finish; without either, nothing is known.
     """
-    folder = results_file.parent
-    run = folder.parent if folder.name.startswith("eval") else folder
-    record: dict[str, Any] = {}
-    try:
-        if record_path(run / RUN_FILE) is not None:
-            summary = read_record(run / RUN_FILE)
-            record = {"steps": summary.get("steps"), "tokens": summary.get("tokens")}
-    except (OSError, UnicodeDecodeError, ValueError):
-        record = {}
+    run = _results_run(results_file)
+    summary = _run_summary(results_file)
+    record: dict[str, Any] = {"steps": summary.get("steps"), "tokens": summary.get("tokens")} if summary else {}
     if (run / CHECKPOINT).is_file() and record_path(run / DONE_FILE) is None:
         record["finished"] = False
     return record

@@ -19,6 +19,7 @@ class Study:
     cost_only: bool = False  # the report's cost table, protocols and chart only (``build_report``)
     tuning: bool = False  # the tuning grid alone, and the selection written beside the document (selection.json)
     budgets: bool = False  # each scheme's rank at every budget its runs trained for, alone
+    stability: bool = False  # learning-rate sensitivity and spikes per scheme over a grid of rates, alone
 
 
 # The reproduction's encoding configs (sweeps/repro.yaml): every scheme of the ALiBi-era comparison and two hybrids.
@@ -196,5 +197,22 @@ STUDIES = {
         "for r in alibi nope rope fox stick_breaking; do python -m posenc.evaluate outputs/sweeps/frontier/$r-L64-s0 "
         "eval.attention_stats=true; done",
         "outputs/sweeps/frontier/*/eval_attention_statsTrue",
+    ),
+    "stability": Study(
+        "Stability per scheme: learning-rate sensitivity, the highest stable rate, loss and gradient-norm spikes",
+        "python -m posenc.train -m -cd sweeps -cn stability  # schemes with a multiplier of 1, nine rates, seed 10\n"
+        "python -m posenc.train -m -cd sweeps -cn stability +encoding=fire,kerple_log optim.scheme_lr_multiplier=10\n"
+        "python -m posenc.train -m -cd sweeps -cn stability +encoding=t5 optim.scheme_lr_multiplier=100\n"
+        "# then, per scheme, its highest stable rate and the next one at two more seeds (three at the edge), e.g.\n"
+        "#   python -m posenc.train -m -cd sweeps -cn stability +encoding=alibi optim.lr=3.2e-2,6.4e-2 seed=11,12",
+        "outputs/sweeps/stability",
+        stability=True,
+    ),
+    "sinks": Study(
+        "Attention sinks by scheme: does an explicit sink change extrapolation, and does ALiBi still cut the far sink?",
+        "python -m posenc.train -m -cd sweeps -cn sinks  # 4 schemes x 3 sinks x 5 seeds; on 2 cores, as two "
+        "single-threaded halves side by side:\n"
+        "#   OMP_NUM_THREADS=1 ... +encoding=alibi,nope & OMP_NUM_THREADS=1 ... +encoding=rope,kerple_log",
+        "outputs/sweeps/sinks",
     ),
 }

@@ -238,6 +238,7 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
         cost_only=study.cost_only,
         tuning_only=study.tuning,
         budgets_only=study.budgets,
+        stability_only=study.stability,
         **report,
     )
     if read_from and folder.is_dir() and not any(folder.iterdir()):

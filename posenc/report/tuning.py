@@ -56,7 +56,8 @@ def _final_validation_loss(run: dict[str, Any]) -> float | None:
     return float(curve[-1]["loss"]) if curve else None
 
 
-def _in_length_loss(run: dict[str, Any]) -> float | None:
+def in_length_loss(run: dict[str, Any]) -> float | None:
+    """The in-length validation loss a tuning selects on (the module's docstring); ``None`` for another split."""
     if run.get("trained_task"):
         return _final_validation_loss(run)
     if ((run.get("eval") or {}).get("split") or "validation") != "validation":
@@ -79,7 +80,7 @@ def grid(results: Sequence[dict[str, Any]]) -> dict[str, dict[tuple[float, float
     """{scheme label: {(lr, multiplier): in-length validation losses, one a seed}} of the runs that have one."""
     points: dict[str, dict[tuple[float, float], list[float]]] = defaultdict(lambda: defaultdict(list))
     for run in results:
-        loss = _in_length_loss(run)
+        loss = in_length_loss(run)
         if loss is not None and math.isfinite(loss) and not run.get("failed"):
             points[_label(run)][_setting(run)].append(float(loss))
     return {label: dict(by_setting) for label, by_setting in points.items()}

@@ -53,6 +53,7 @@ RESULT_FIELDS = {
     "learned_bias",
     "learned_settings",
     "positional_drift",
+    "stability",
     "lineage",
     # what the run's settings imply (the resolved length settings, what training reaches, the budget): not settings
     "length_settings",

@@ -7,9 +7,9 @@
 - **Gradient norm percentiles**: 50th, 90th, 99th and the largest, over every step trained.
 - **Largest attention logit**: max over layers, heads and causal pairs of z_ij = q_i · k_j / √D, the rotated query
   and key's scaled product before any bias (Wortsman et al., 2023, §3.1, whose "attention logit growth" is this
-  number growing), sampled about every ``LOGIT_EVERY`` steps (at a logging step) on the batch's first window through
-  the layers' own projections (``posenc.probe``): no backend exposes its scores, so this is one extra forward of one
-  window, without gradients, per sample.
+  number growing), sampled about every ``LOGIT_EVERY`` steps (at a logging step) and at the last, on the batch's first
+  window through the layers' own projections (``posenc.probe``): no backend exposes its scores, so this is one extra
+  forward of one window, without gradients, per sample.
 
 Every step writes its loss and gradient norm into two preallocated tensors on the device (two copies into a slice, no
 host sync); the counts are taken from them where Lightning logs anyway (a vectorised pass over the steps since),
@@ -97,6 +97,7 @@ class StabilityMonitor(Callback):
         self.micro_batches = 0
         self.steps = 0
         self.saved: dict[str, Any] | None = None
+        self.window: Tensor | None = None  # the first window of the last step's batch
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         device = pl_module.device
@@ -120,6 +121,7 @@ class StabilityMonitor(Callback):
             if norm is not None:
                 self.grad_norm[step - 1 : step].copy_(norm.detach().float().reshape(1))
         self.pending, self.micro_batches, self.steps = None, 0, step
+        self.window = (batch[0] if isinstance(batch, list | tuple) else batch)[:1]  # a view: the last step's window
         every = trainer.log_every_n_steps
         if step % every:  # Lightning logs at these steps only
             return
@@ -130,10 +132,14 @@ class StabilityMonitor(Callback):
             "train/grad_norm": float(self.grad_norm[step - 1]),
         }
         if (step // every) % max(1, round(LOGIT_EVERY / every)) == 0:
-            inputs = batch[0] if isinstance(batch, list | tuple) else batch
-            self.logits.append((step, max_attention_logit(pl_module.model, inputs[:1])))
+            self.logits.append((step, max_attention_logit(pl_module.model, self.window)))
             logged["stability/max_attention_logit"] = self.logits[-1][1]
         pl_module.log_dict(logged)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A last sample of the largest logit at the last step, so that a run shorter than ``LOGIT_EVERY`` has one."""
+        if self.window is not None and (not self.logits or self.logits[-1][0] != self.steps):
+            self.logits.append((self.steps, max_attention_logit(pl_module.model, self.window)))
 
     def count(self, steps: int) -> None:
         """Add the spikes of the steps trained since the last count (each judged against the 128 before it)."""
@@ -151,9 +157,12 @@ class StabilityMonitor(Callback):
         norms = norms[torch.isfinite(norms)].double()
         percentiles = {f"p{p}": float(torch.quantile(norms, p / 100)) for p in PERCENTILES} if norms.numel() else {}
         largest = max(self.logits, key=lambda sample: sample[1]) if self.logits else None
+        first = self.loss[:1] if self.loss is not None and steps else torch.zeros(0)
         return {
             "rule": RULE,
             "steps": steps,
+            # the first step's loss, taken before any update: the loss at initialisation a sensitivity is capped at
+            "initial_loss": float(first[0]) if first.numel() and math.isfinite(float(first[0])) else None,
             "loss_spikes": len(self.loss_spikes),
             "grad_norm_spikes": len(self.grad_norm_spikes),
             "loss_spike_steps": self.loss_spikes,

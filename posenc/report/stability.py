@@ -1,0 +1,192 @@
+"""Stability per scheme over a grid of learning rates: sensitivity, the highest stable rate, spikes, a figure.
+
+The measure is Wortsman et al. (2023, "Small-scale proxies for large-scale Transformer training instabilities",
+§2.2): a scheme's **learning-rate sensitivity** is the expected excess final loss over a log-spaced range of rates,
+
+    sensitivity = mean over rates η of ( min(ℓ(η), ℓ₀) − min over η' of ℓ(η') ),
+
+each point capped at the loss at initialisation ℓ₀ (a run that learned nothing, or diverged, costs at most that).
+ℓ(η) is the in-length validation loss the tuning selects on (``posenc/report/tuning.py``), the mean over the seeds run
+at η; a run that diverged (``failed.json``) counts as ℓ₀, never dropped. ℓ₀ is the loss of the first training step,
+before any update, as each run records it (``run.json``'s ``stability``), the mean over the scheme's runs.
+
+A rate is **stable** for a scheme when every run at it finished, with a finite loss, below ℓ₀; the **highest stable
+rate** is the largest such rate of the grid. A scheme whose every rate of the grid is stable has not been taken to
+the edge: the section says so, and that the grid must be extended upward. **Spike rates** are the spikes per
+thousand steps of the loss and of the gradient norm (``posenc/training/stability.py``: more than 6 standard
+deviations above the mean of the 128 steps before), pooled over the scheme's runs at its stable rates.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posenc.evaluate.plots import plot_lines
+from posenc.model import encoding_label
+from posenc.report.tuning import in_length_loss
+
+MEASURE = (
+    "learning-rate sensitivity (Wortsman et al., 2023): the mean over the grid's rates of the final in-length "
+    "validation loss, capped at the loss at initialisation, minus the best of them; a diverged run counts as the loss "
+    "at initialisation"
+)
+
+
+@dataclass
+class RatePoint:
+    """The runs of one scheme at one learning rate."""
+
+    losses: list[float | None] = field(default_factory=list)  # final in-length loss per run; None: diverged
+    records: list[dict[str, Any]] = field(default_factory=list)  # each run's stability record
+
+
+def _config(run: dict[str, Any]) -> dict[str, Any]:
+    return run.get("config") or {}
+
+
+def _label(run: dict[str, Any]) -> str:
+    encoding = run.get("encoding") or _config(run).get("encoding")
+    return encoding_label(encoding) if encoding is not None else str(run["label"])
+
+
+def _rate(run: dict[str, Any]) -> float | None:
+    lr = (_config(run).get("optim") or {}).get("lr")
+    return None if lr is None else float(lr)
+
+
+def grid(results: Sequence[dict[str, Any]]) -> dict[str, dict[float, RatePoint]]:
+    """{scheme label: {learning rate: its runs}}, diverged runs (``failed``) included as losses of ``None``."""
+    points: dict[str, dict[float, RatePoint]] = defaultdict(lambda: defaultdict(RatePoint))
+    for run in results:
+        rate = _rate(run)
+        if rate is None:
+            continue
+        loss = None if run.get("failed") else in_length_loss(run)
+        if not run.get("failed") and loss is None:
+            continue  # evaluated on another split or length: not a point of this grid
+        point = points[_label(run)][rate]
+        point.losses.append(loss if loss is None or math.isfinite(loss) else None)
+        point.records.append(run.get("stability") or {})
+    return {label: dict(by_rate) for label, by_rate in points.items()}
+
+
+def initial_loss(by_rate: dict[float, RatePoint]) -> float | None:
+    """ℓ₀: the mean over the scheme's runs of their first step's loss."""
+    losses = [r["initial_loss"] for p in by_rate.values() for r in p.records if r.get("initial_loss") is not None]
+    return statistics.fmean(losses) if losses else None
+
+
+def capped(point: RatePoint, start: float) -> float:
+    """The mean over a rate's runs of min(ℓ, ℓ₀), a diverged run counting ℓ₀."""
+    return statistics.fmean(start if loss is None else min(loss, start) for loss in point.losses)
+
+
+def stable(point: RatePoint, start: float) -> bool:
+    return all(loss is not None and loss < start for loss in point.losses)
+
+
+def summary(by_rate: dict[float, RatePoint]) -> dict[str, Any] | None:
+    """A scheme's sensitivity, highest stable rate, whether the grid reached an unstable rate, and spike rates."""
+    start = initial_loss(by_rate)
+    if start is None or not by_rate:
+        return None
+    rates = sorted(by_rate)
+    points = [capped(by_rate[rate], start) for rate in rates]
+    best = min(points)
+    steady = [rate for rate in rates if stable(by_rate[rate], start)]
+    records = [r for rate in steady for r in by_rate[rate].records if r.get("steps")]
+    steps = sum(r["steps"] for r in records)
+    per_thousand = {
+        kind: 1000 * sum(r.get(f"{kind}_spikes", 0) for r in records) / steps if steps else None
+        for kind in ("loss", "grad_norm")
+    }
+    return {
+        "initial_loss": start,
+        "sensitivity": statistics.fmean(point - best for point in points) if len(rates) > 1 else None,
+        "best_rate": rates[points.index(best)],
+        "highest_stable": max(steady) if steady else None,
+        "reached_unstable": len(steady) < len(rates),
+        "rates": len(rates),
+        **{f"{kind}_spikes_per_1k": value for kind, value in per_thousand.items()},
+    }
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def stability_section(results: Sequence[dict[str, Any]]) -> list[str]:
+    """The summary per scheme, ranked by sensitivity, then each scheme's rates, diverged runs included."""
+    by_scheme = {label: by_rate for label, by_rate in grid(results).items() if summary(by_rate) is not None}
+    if not by_scheme:
+        return ["", "## Stability", "", "No run records its stability at an in-length validation loss."]
+    summaries = {label: summary(by_rate) for label, by_rate in by_scheme.items()}
+    ranked = sorted(
+        summaries, key=lambda label: (summaries[label]["sensitivity"] is None, summaries[label]["sensitivity"] or 0)
+    )
+    lines = [
+        "",
+        "## Stability: learning-rate sensitivity, highest stable rate, spikes",
+        "",
+        f"Measure: {MEASURE}. A rate is stable when every run at it finished below the loss at initialisation. "
+        "Spikes per 1,000 steps at the stable rates; a spike is more than 6 standard deviations above the mean of the "
+        "128 steps before it (OLMo-core's rule).",
+        "",
+        "| scheme | LR sensitivity (nats) | best rate | highest stable rate | grid reached an unstable rate | "
+        "loss spikes / 1k steps | grad-norm spikes / 1k steps | loss at init. |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for label in ranked:
+        s = summaries[label]
+        reached = "yes" if s["reached_unstable"] else "no: extend the grid upward"
+        lines.append(
+            f"| {label} | {_cell(s['sensitivity'], '.3f')} | {s['best_rate']:g} | {_cell(s['highest_stable'], 'g')} "
+            f"| {reached} | {_cell(s['loss_spikes_per_1k'], '.2f')} | {_cell(s['grad_norm_spikes_per_1k'], '.2f')} "
+            f"| {s['initial_loss']:.3f} |"
+        )
+    for label in ranked:
+        lines += ["", f"### {label}", "", _rate_table(by_scheme[label], summaries[label]["initial_loss"])]
+    return lines
+
+
+def _rate_table(by_rate: dict[float, RatePoint], start: float) -> str:
+    rows = [
+        "| rate | runs | diverged | final loss, capped (mean) | stable | loss spikes | grad-norm spikes "
+        "| grad-norm p99 (median) | largest attention logit |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for rate in sorted(by_rate):
+        point = by_rate[rate]
+        records = point.records
+        p99 = [r["grad_norm"]["p99"] for r in records if (r.get("grad_norm") or {}).get("p99") is not None]
+        logits = [r["max_attention_logit"]["max"] for r in records if r.get("max_attention_logit")]
+        spikes = [sum(r.get(f"{kind}_spikes", 0) for r in records) for kind in ("loss", "grad_norm")]
+        rows.append(
+            f"| {rate:g} | {len(point.losses)} | {sum(loss is None for loss in point.losses)} "
+            f"| {capped(point, start):.4f} | {'yes' if stable(point, start) else 'no'} | {spikes[0]} | {spikes[1]} "
+            f"| {_cell(statistics.median(p99) if p99 else None, '.3g')} "
+            f"| {_cell(max(logits) if logits else None, '.3g')} |"
+        )
+    return "\n".join(rows)
+
+
+def stability_plots(results: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Final in-length loss (capped at the loss at initialisation) against the learning rate, one line a scheme."""
+    series = {}
+    for label, by_rate in sorted(grid(results).items()):
+        start = initial_loss(by_rate)
+        if start is None:
+            continue
+        rates = sorted(by_rate)
+        series[label] = (rates, [capped(by_rate[rate], start) for rate in rates], None)
+    if not series:
+        return []
+    path = out_dir / "stability_loss_vs_lr.png"
+    title = "final in-length validation loss vs learning rate (capped at the loss at initialisation)"
+    return [plot_lines(series, path, title, "peak learning rate", "final loss (nats)", logx=True)]

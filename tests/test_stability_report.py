@@ -1,0 +1,142 @@
+"""The stability section on hand-built runs: Wortsman et al.'s sensitivity by hand, the highest stable rate, spikes
+per thousand steps, a diverged run counted as diverged (read from its failed.json), and the study's sweeps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_sweeps import LIST_JOBS, SWEEPS, launch
+
+from posenc.report.build import build_report
+from posenc.report.collect import find_results
+from posenc.report.stability import grid, stability_section, summary
+from posenc.runs import write_failed
+
+START = 5.5  # every run's first-step loss
+
+
+def _config(scheme: str, lr: float, seed: int = 10) -> dict:
+    return {"encoding": {"name": scheme}, "optim": {"lr": lr}, "seed": seed, "run_name": f"{scheme}-lr{lr}-s{seed}"}
+
+
+def _stability(loss_spikes: int = 0, grad_norm_spikes: int = 0, steps: int = 600) -> dict:
+    return {
+        "steps": steps,
+        "initial_loss": START,
+        "loss_spikes": loss_spikes,
+        "grad_norm_spikes": grad_norm_spikes,
+        "grad_norm": {"p50": 0.5, "p90": 0.8, "p99": 1.2, "max": 2.0},
+        "max_attention_logit": {"max": 9.0, "at_step": 600, "last": 8.0, "samples": 12},
+    }
+
+
+def _run(scheme: str, lr: float, loss: float, seed: int = 10, **spikes: int) -> dict:
+    config = _config(scheme, lr, seed)
+    return {
+        "label": scheme,
+        "encoding": config["encoding"],
+        "config": config,
+        "seed": seed,
+        "eval": {"split": "validation"},
+        "perplexity": [{"multiple": 1, "loss": loss, "ppl": 2.0**loss, "error": None}],
+        "stability": _stability(**spikes),
+    }
+
+
+def _diverged(scheme: str, lr: float, seed: int = 10) -> dict:
+    config = _config(scheme, lr, seed)
+    return {"failed": "the training loss became nan at step 40", "run_name": config["run_name"], "config": config,
+            "label": scheme, "stability": _stability(steps=41)}  # fmt: skip
+
+
+RUNS = [
+    _run("alibi", 1e-3, 2.0, loss_spikes=1),
+    _run("alibi", 2e-3, 1.8, grad_norm_spikes=3),
+    _run("alibi", 4e-3, 2.5, loss_spikes=2),
+    _diverged("alibi", 8e-3),
+    _run("rope", 1e-3, 1.9),
+    _run("rope", 2e-3, 6.0),  # ended worse than it started: unstable, capped at the loss at initialisation
+    _run("nope", 1e-3, 2.2),
+    _run("nope", 2e-3, 2.1),
+    _run("nope", 2e-3, 2.3, seed=11),
+    _diverged("nope", 2e-3, seed=12),  # one seed of three diverged: the rate is not stable
+]
+
+
+def test_sensitivity_is_the_mean_excess_capped_loss_over_the_rates() -> None:
+    summaries = {label: summary(by_rate) for label, by_rate in grid(RUNS).items()}
+    alibi, rope, nope = summaries["alibi"], summaries["rope"], summaries["nope"]
+    # Capped losses 2.0, 1.8, 2.5 and 5.5 (diverged): excess over 1.8 is 0.2, 0, 0.7, 3.7.
+    assert alibi["sensitivity"] == pytest.approx((0.2 + 0 + 0.7 + 3.7) / 4)
+    assert (alibi["best_rate"], alibi["highest_stable"], alibi["reached_unstable"]) == (2e-3, 4e-3, True)
+    assert alibi["loss_spikes_per_1k"] == pytest.approx(1000 * 3 / 1800)  # over its three stable runs
+    assert alibi["grad_norm_spikes_per_1k"] == pytest.approx(1000 * 3 / 1800)
+    assert rope["sensitivity"] == pytest.approx((0 + (START - 1.9)) / 2) and rope["highest_stable"] == 1e-3
+    # nope at 2e-3: the mean of 2.1, 2.3 and 5.5 (diverged); at 1e-3: 2.2, the best.
+    assert nope["sensitivity"] == pytest.approx((0 + ((2.1 + 2.3 + START) / 3 - 2.2)) / 2)
+    assert nope["highest_stable"] == 1e-3
+
+
+def test_the_section_ranks_schemes_and_says_where_the_grid_stops_short() -> None:
+    lines = stability_section([*RUNS, _run("t5", 1e-3, 2.0), _run("t5", 2e-3, 1.9)])
+    table = [line for line in lines if line.startswith("| ") and "nats" not in line and "rate |" not in line]
+    # t5 0.05, nope 0.55, alibi 1.15, rope 1.8: the least sensitive first
+    assert [row.split(" | ")[0] for row in table[:4]] == ["| t5", "| nope", "| alibi", "| rope"]
+    assert "| t5 | 0.050 | 0.002 | 0.002 | no: extend the grid upward |" in "\n".join(lines)
+    assert "| 0.008 | 1 | 1 | 5.5000 | no | 0 | 0 | 1.2 | 9 |" in "\n".join(lines)  # alibi's diverged rate, counted
+
+
+def test_a_diverged_run_reaches_the_section_from_its_records(tmp_path: Path) -> None:
+    for run in RUNS[:3]:
+        folder = tmp_path / run["config"]["run_name"]
+        (folder / "eval").mkdir(parents=True)
+        results = {key: value for key, value in run.items() if key != "stability"}
+        (folder / "eval" / "results.json").write_text(json.dumps({**results, "train_len": 64}))
+        (folder / "run.json").write_text(json.dumps({"stability": run["stability"]}))
+    diverged = RUNS[3]
+    (tmp_path / diverged["run_name"]).mkdir()
+    details = {"label": "alibi", "diverged": True, "stability": diverged["stability"]}
+    write_failed(tmp_path / diverged["run_name"], diverged["config"], diverged["failed"], 40, details)
+    markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=True, stability_only=True)
+    assert "## Failed runs (1, not counted in any column)" in markdown
+    assert f"| alibi | {(0.2 + 0 + 0.7 + 3.7) / 4:.3f} | 0.002 | 0.004 | yes |" in markdown
+    assert (tmp_path / "report" / "stability_loss_vs_lr.png").is_file()
+
+
+def _jobs(tmp_path: Path, name: str, *overrides: str) -> set[str]:
+    result = launch(
+        tmp_path, command=[sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", name, *overrides]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
+
+
+RATES = ("0.001", "0.002", "0.004", "0.008", "0.016", "0.032", "0.064", "0.128", "0.256")
+
+
+def test_the_stability_grid_extends_the_tuning_upward_at_each_schemes_multiplier(tmp_path: Path) -> None:
+    schemes = ("alibi", "rope", "nope", "fox", "stick_breaking_trained")
+    assert _jobs(tmp_path, "stability") == {f"{s}-lr{lr}-x1-L64-s10" for s in schemes for lr in RATES}
+    assert _jobs(tmp_path, "stability", "+encoding=t5", "optim.scheme_lr_multiplier=100") == {
+        f"t5-lr{lr}-x100-L64-s10" for lr in RATES
+    }
+
+
+def test_the_sink_study_crosses_three_sinks_with_four_schemes_on_the_comparisons_recipe(tmp_path: Path) -> None:
+    tags = {"none": "", "learned": "-sink_learned", "tokens": "-sink_tokens"}
+    schemes = ("alibi", "rope", "nope", "kerple_log")
+    expected = {f"{s}{tag}-L64-s{seed}" for s in schemes for tag in tags.values() for seed in range(5)}
+    assert _jobs(tmp_path, "sinks") == expected
+    from omegaconf import OmegaConf
+
+    command = [sys.executable, "-m", "posenc.train", "-cd", str(SWEEPS), "-cn", "sinks", "+encoding=alibi"]
+    printed = subprocess.run([*command, "model.sink=tokens", "--cfg", "job"], capture_output=True, text=True,
+                             timeout=120, check=True).stdout  # fmt: skip
+    composed = OmegaConf.create(printed)
+    assert composed.model.sink == "tokens" and composed.model.sink_tokens == 1 and composed.eval.attention_stats
+    assert composed.eval.split == "test" and list(composed.eval.sliding_fractions) == [0.5]
+    assert composed.optim.tuned == "docs/results/tuning/selection.json" and composed.trainer.max_steps == 600
