@@ -134,9 +134,11 @@ def test_autograd_function_output_is_not_a_view() -> None:
     seen = []
     original = _AttachBiasGradient.forward
 
-    def spy(ctx, out, *args):
-        result = original(ctx, out, *args)
-        seen.append(result._base is None and result.data_ptr() != out.data_ptr())
+    def spy(ctx, out, lse, *args):  # both outputs (the attention's and its row lse) are copies of their inputs
+        result = original(ctx, out, lse, *args)
+        seen.append(
+            all(r._base is None and r.data_ptr() != i.data_ptr() for r, i in zip(result, (out, lse), strict=True))
+        )
         return result
 
     _AttachBiasGradient.forward = staticmethod(spy)
