@@ -244,3 +244,19 @@ def test_bf16_with_a_sink_stays_close_to_the_fp32_reference(kind: str) -> None:
         got = get_backend("sdpa")(*low, make("alibi"), pos, pos, sink=columns)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flex_evaluates_with_a_sink_on_cpu(kind: str) -> None:
+    # Without gradients FlexAttention runs its forward on CPU (an evaluation with attention=flex): the same merge.
+    torch.manual_seed(8)
+    sink = Sink(kind, HEADS, HEAD_DIM)
+    _moved(sink)
+    q, k, v = (torch.randn(2, HEADS, LENGTH, HEAD_DIM) for _ in range(3))
+    pos = torch.arange(LENGTH)
+    columns, keys, values = sink.columns(*sink.in_front(k, v, pos))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=flex.FALLBACK_WARNING)
+        got = get_backend("flex")(q, keys, values, make("alibi"), pos, pos, sink=columns)
+        expected = get_backend("eager")(q, keys, values, make("alibi"), pos, pos, sink=columns)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
