@@ -57,9 +57,9 @@ def test_the_lowest_in_length_validation_loss_wins_and_ties_go_to_the_smaller_se
 
 
 def test_without_a_replicated_point_the_spread_is_the_comparisons_and_said_so() -> None:
-    results = [_run("t5", 1e-3, 1, 2.00), _run("t5", 2e-3, 1, 2.00 + SEED_SPREAD)]
+    results = [_run("t5", 1e-3, 1, 2.00), _run("t5", 2e-3, 1, 2.00 + SEED_SPREAD["text"])]
     spread, free, source = seed_spread(results)
-    assert (spread, free) == (SEED_SPREAD, 0) and "comparison's five seeds" in source
+    assert (spread, free) == (SEED_SPREAD["text"], 0) and "comparison's five seeds" in source
     chosen = select(results)["t5"]
     assert len(chosen["tied"]) == 2 and chosen["lr"] == 1e-3 and not chosen["resolved"]
     resolved = select([*results, *(_run("t5", lr, 1, 2.0, seed=s) for lr in (1e-3, 2e-3) for s in (11, 12))])
@@ -115,14 +115,14 @@ def test_a_task_is_selected_on_its_last_validation_loss_not_its_best_or_its_eval
     results = [
         _task_run(tmp_path, "t5", 1e-3, 1, [2.0, 0.05, 0.9]),  # best early, last high: not selected
         _task_run(tmp_path, "t5", 3e-3, 1, [2.0, 0.40, 0.30]),
-        _task_run(tmp_path, "t5", 3e-3, 10, [2.0, 0.30, 0.30 - SEED_SPREAD]),  # tied: the smaller multiplier wins
+        _task_run(tmp_path, "t5", 3e-3, 10, [2.0, 0.30, 0.30 - SEED_SPREAD["task"]]),  # tied: the smaller multiplier
         _task_run(tmp_path, "t5", 1e-2, 100, [2.0, 1.00, 0.20]),  # the lowest last loss
         _task_run(tmp_path, "alibi", 1e-3, 1, [2.0, 1.0, 1.5]),
         _task_run(tmp_path, "alibi", 1e-2, 1, [2.0, 1.0, 1.2]),
     ]
     chosen = select(results)
     assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (1e-2, 100)
-    assert chosen["t5"]["margin_to_next"] == pytest.approx(0.1 - SEED_SPREAD)
+    assert chosen["t5"]["margin_to_next"] == pytest.approx(0.1 - SEED_SPREAD["task"])
     assert (chosen["alibi"]["lr"], chosen["alibi"]["scheme_lr_multiplier"]) == (1e-2, 1)
     results[3] = _task_run(tmp_path / "other", "t5", 1e-2, 100, [2.0, 1.0, 0.30])  # now tied with x1 and x10 at 3e-3
     chosen = select(results)

@@ -13,7 +13,8 @@ rate (the cheaper, more conservative setting). Selecting on in-length loss keeps
 scheme extrapolates, out of the choice. The tie band is what the seeds cannot tell apart: 1.96 σ √(1/n_a + 1/n_b) for
 two points of n_a and n_b seeds, σ the seed-to-seed standard deviation of in-length loss pooled over the grid points
 that have several seeds (a fixed width measured nothing). Where no point has two seeds yet, σ is the one measured over
-the comparison's five seeds (``SEED_SPREAD``), and the table says so. A choice resolves when every tied point has
+a study's five seeds (``SEED_SPREAD``: the comparison's for text, the tuned recall study's for a task), and the table
+says so. A choice resolves when every tied point has
 ``TIED_SEEDS`` seeds; until then the section lists the runs that would resolve it, and it shows each tied point's
 longest-length ratio wherever its runs were evaluated there, so that a reader sees whether the choice decides a
 verdict.
@@ -44,9 +45,11 @@ TASK_NOTE = (
     "(the validation set training scores, another seed stream than the evaluation windows): a perplexity near 1 is "
     "a lookup learned."
 )
-# nats: the seed-to-seed standard deviation of in-length loss pooled over the comparison's eight schemes × 5 seeds
-# (docs/results/comparison.md, test split at 1×), used only where the grid has no point of several seeds.
-SEED_SPREAD = 0.0049
+# nats: the seed-to-seed standard deviation of the selection's loss, used only where a grid has no point of several
+# seeds: for text, in-length loss pooled over the comparison's eight schemes × 5 seeds (docs/results/comparison.md,
+# test split at 1×); for a task, the final validation loss pooled over the tuned recall study's schemes that learned
+# it, 5 seeds each (docs/results/recall-offset-tuned.md: ALiBi, FIRE, KERPLE-log, T5).
+SEED_SPREAD = {"text": 0.0049, "task": 0.0102}
 TIED_SEEDS = 3  # seeds every tied point needs before a choice among them counts as resolved
 Z_95 = 1.96
 RULE = (
@@ -99,7 +102,7 @@ def grid(results: Sequence[dict[str, Any]]) -> dict[str, dict[tuple[float, float
 def seed_spread(results: Sequence[dict[str, Any]]) -> tuple[float, int, str]:
     """(σ, its degrees of freedom, where it comes from).
 
-    Pooled over the grid points with several seeds, else the spread measured over the comparison's (``SEED_SPREAD``).
+    Pooled over the grid points with several seeds, else the spread measured over a study's seeds (``SEED_SPREAD``).
     """
     squares, free = 0.0, 0
     for by_setting in grid(results).values():
@@ -109,7 +112,9 @@ def seed_spread(results: Sequence[dict[str, Any]]) -> tuple[float, int, str]:
                 free += len(losses) - 1
     if free:
         return math.sqrt(squares / free), free, f"pooled over this grid's points of several seeds ({free} df)"
-    return SEED_SPREAD, 0, "measured over the comparison's five seeds (no point of this grid has several)"
+    if any(run.get("trained_task") for run in results):
+        return SEED_SPREAD["task"], 0, "measured over the tuned recall study's five seeds (no point here has several)"
+    return SEED_SPREAD["text"], 0, "measured over the comparison's five seeds (no point of this grid has several)"
 
 
 def band(spread: float, seeds_a: int, seeds_b: int) -> float:
