@@ -152,15 +152,19 @@ def test_the_lane_says_why_it_compiles_nothing_for_it(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", STICK_CASES)
-@pytest.mark.parametrize("rows", [1, 4, 7, 37, None])
+@pytest.mark.parametrize("tile", [(1, 1), (4, 3), (7, 16), (16, 7), (37, 64), None])
 @pytest.mark.parametrize("length", [37, 64])
-def test_blocked_path_matches_the_dense_reference_values_and_gradients(name: str, rows: int, length: int) -> None:
+def test_blocked_path_matches_the_dense_reference_values_and_gradients(
+    name: str, tile: tuple[int, int] | None, length: int
+) -> None:
+    # Tiles of one score, taller than wide, wider than tall, a whole window, and the default: the stick carried
+    # from tile to tile of keys, and rows whose mask spans several tiles.
     expected = _grads(_dense, name, length, first_pos=5)
 
     def blocked(q, k, v, enc, q_pos, k_pos, features):
-        if rows is None:
+        if tile is None:
             return enc.attend(q, k, v, q_pos, k_pos, features)
-        return stick_breaking_attention(q, k, v, q_pos, k_pos, rows)
+        return stick_breaking_attention(q, k, v, q_pos, k_pos, tile=tile)
 
     for value, reference in zip(_grads(blocked, name, length, first_pos=5), expected, strict=True):
         torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
@@ -184,10 +188,10 @@ def test_large_scores_stay_finite_and_match_the_reference(scale: float) -> None:
         torch.testing.assert_close(value, reference, atol=1e-4 * max(1.0, reference.abs().max().item()), rtol=1e-3)
 
 
-def test_blocked_path_never_holds_more_than_a_block_of_scores() -> None:
-    # O(Lk) memory per query row: no tensor of the forward or the backward spans more than `rows` queries × Lk keys
-    # (or the (B, H, L, D) inputs and outputs), where the dense reference's are (B, H, L, L).
-    batch, length, rows = 2, 96, 8
+def test_blocked_path_never_holds_more_than_a_tile_of_scores() -> None:
+    # No tensor of the forward or the backward spans more than a tile of `rows` queries × `keys` keys (or the
+    # (B, H, L, D) inputs and outputs), where the dense reference's are (B, H, L, L).
+    batch, length, rows, keys = 2, 96, 8, 16
     sizes = []
 
     class Sizes(TorchDispatchMode):
@@ -199,8 +203,8 @@ def test_blocked_path_never_holds_more_than_a_block_of_scores() -> None:
     q, k, v = (torch.randn(batch, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
     pos = torch.arange(length)
     with Sizes():
-        stick_breaking_attention(q, k, v, pos, pos, rows).square().sum().backward()
-    assert sizes and max(sizes) <= batch * HEADS * max(rows * length, length * HEAD_DIM)
+        stick_breaking_attention(q, k, v, pos, pos, tile=(rows, keys)).square().sum().backward()
+    assert sizes and max(sizes) <= batch * HEADS * max(rows * keys, length * HEAD_DIM)
 
 
 def test_bf16_autocast_is_close_to_fp32_and_keeps_the_arithmetic_in_fp32() -> None:
