@@ -167,12 +167,14 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The docs' section on the table kernels: one line per (GPU, kernel, dtype, head dim, length)."""
     lines = [
         "",
-        "## The table kernels of `attention=triton`, per GPU",
+        "## The kernels of `attention=triton`, per GPU",
         "",
-        "One compile per kernel covers every distance-only bias (the kernels read the scheme's (H, L) table, never",
-        "its formula). Each is compiled as its launch compiles it (`triton_launch`: that GPU class's tiles, warps",
-        "and stages; twelve heads; a length divisible by 16 and one that is not, on which Triton specialises);",
+        "One compile per table kernel covers every distance-only bias (the kernels read the scheme's (H, L) table,",
+        "never its formula). Each is compiled as its launch compiles it (`triton_launch`: that GPU class's tiles,",
+        "warps and stages; twelve heads; a length divisible by 16 and one that is not, on which Triton specialises);",
         "`backward_dq_deterministic` is the table gradient without atomics (`torch.use_deterministic_algorithms`).",
+        "The `stick_` kernels are stick-breaking's (a scheme's `stick_form`), its forward with the remainder on the",
+        "head's vector and (`_own_value`) on the query's own value.",
         "",
         "| GPU | kernel | dtype | head dim | length | tiles (M × N) | warps | stages | shared memory (B) | registers "
         "| spilled (B) |",
