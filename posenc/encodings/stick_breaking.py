@@ -119,9 +119,7 @@ def _tiles(
             rest[..., :width].masked_fill_(after, float("inf"))
         rest = rest.sigmoid_()  # s = σ(−z) = 1 − β
         kept = torch.cumprod(rest, -1)  # what the tile's keys up to j leave of the stick
-        sticks = torch.empty_like(kept)  # A_j = kept_{j−1} (1 − s_j) = kept_{j−1} − kept_j
-        torch.sub(kept[..., :-1], kept[..., 1:], out=sticks[..., 1:])
-        sticks[..., :1] = 1.0 - kept[..., :1]
+        sticks = F.pad(kept[..., :-1], (1, 0), value=1.0).sub_(kept)  # A_j = kept_{j−1} (1 − s_j) = kept_{j−1} − kept_j
         yield slice(first, last), rest, sticks, left.clone()
         left.mul_(kept[..., -1:])
 
