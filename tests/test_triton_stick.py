@@ -13,13 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import SCHEMES, make
+from helpers import encoding_configs
 
 import posenc.attention.auto as auto
 import posenc.attention.triton_launch as triton_launch
 import posenc.attention.triton_stick as triton_stick
 from posenc.attention import get_backend
-from posenc.bench.step import encoding_spec
-from posenc.config import encoding_choices
 from posenc.decoding import KVCache
 from posenc.encodings import build
 from posenc.model import Decoder
@@ -30,24 +29,11 @@ DEVICE = "cpu" if KERNELS.INTERPRETED else "cuda"
 HEADS, HEAD_DIM = 3, 16  # tl.dot needs a head dim of at least 16
 
 
-def _config(name: str) -> dict:
-    """A config of conf/encoding as a run reads it, as {"name": ..., **options}."""
-    spec = encoding_spec(name, 64)
-    return dict(spec) if isinstance(spec, dict) else {"name": spec}
-
-
-def _declares_stick(spec: dict) -> bool:
-    if not isinstance(spec["name"], str):  # a per-layer schedule
-        return False
-    options = {key: value for key, value in spec.items() if key != "name"}
-    return build(spec["name"], num_heads=HEADS, head_dim=HEAD_DIM, **options).stick_form() is not None
-
-
 # Every config whose scheme declares a stick form (the reference form and the trained one), and the registry's
 # schemes that do, each also under a rotation: found by declaration, never by name.
 ROTARY = next(name for name in SCHEMES if make(name).rotates and not make(name).adds_bias)
 STICK_NAMES = [name for name in SCHEMES if make(name).stick_form() is not None]
-FORMS = [cfg for cfg in (_config(name) for name in encoding_choices()) if _declares_stick(cfg)]
+FORMS = encoding_configs(HEADS, HEAD_DIM, lambda enc: enc.stick_form() is not None)
 FORMS += [{"name": f"{ROTARY}+{name}"} for name in STICK_NAMES]
 
 
