@@ -62,8 +62,12 @@ attention reads only q and k):
   suffix too.
 
 The ``scheme`` backend runs ``attend``, ``auto`` picks it, and cached decoding falls back to it; every backend that
-computes softmax(q·kᵀ/√D + bias) (``sdpa``, ``flex``, ``flex_learnable``, ``triton``) refuses such a scheme in one
-line (``posenc.attention.refuse_supplied_attention``).
+computes softmax(q·kᵀ/√D + bias) (``sdpa``, ``flex``, ``flex_learnable``) refuses such a scheme in one line
+(``posenc.attention.refuse_supplied_attention``). One whose attention is stick-breaking's, a stick broken from the
+nearest earlier key outwards with β_ij = σ(q_i·k_j/√D), may say so, and ``triton`` then runs it in a fused kernel:
+
+- ``stick_form()``: a ``StickForm`` (where the stick's remainder goes, and what the heads' output passes through
+  after), or ``None`` (the default). ``attention_weights`` stays the reference the kernel is tested against.
 
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
@@ -131,6 +135,19 @@ class TableForm:
 
 
 BiasGradientForm = DerivativeForm | TableForm
+
+
+@dataclass(frozen=True)
+class StickForm:
+    """The attention is stick-breaking's: o_i = Σ_{j<i} A_ij v_j + (1 − Σ_j A_ij) · target, then ``finish``.
+
+    A_ij = β_ij Π_{j<k<i} (1 − β_ik), β_ij = σ(q_i·k_j/√D). The remainder's target is each query's own value
+    (``head_bias`` None) or the head's vector ``head_bias`` (H, D), a parameter the kernel differentiates;
+    ``finish`` maps the output (B, H, Lq, D) as the scheme's ``attend`` does after (a norm per head, or nothing).
+    """
+
+    head_bias: Tensor | None
+    finish: Callable[[Tensor], Tensor]
 
 
 class PositionalEncoding(nn.Module):
@@ -331,6 +348,10 @@ class PositionalEncoding(nn.Module):
         reference's.
         """
         raise NotImplementedError(f"{self.label} does not supply its own attention")
+
+    def stick_form(self) -> StickForm | None:
+        """How a fused stick-breaking kernel computes ``attend`` (module docstring), or ``None``: no such kernel can."""
+        return None
 
     def set_context_scaling(self, method: str, factor: float, original_length: int) -> bool:
         """Stretch the scheme at evaluation to ``factor`` × ``original_length`` positions (RoPE's PI, NTK, YaRN).

@@ -12,7 +12,9 @@ The leases run in order, each building on the last:
    against SDPA flash), and the whole-model train step of every scheme: the figures the speed targets are read from;
 2. the proof: every config trains in bf16, compiled, and evaluates (its last full run predates the table kernels);
 3. the attention table at L 8,192, every scheme and backend;
-4. onwards: a paper-scale row beside the ALiBi paper's Table 2, one scheme a lease (``REPRO_SCHEMES``).
+4. onwards: a paper-scale row beside the ALiBi paper's Table 2, one scheme a lease (``REPRO_SCHEMES``);
+5. then stick-breaking's fused kernels (``attention=triton``) beside its blocked form and SDPA flash at L 2k to 16k:
+   whether ``auto`` may choose them (``MEASURED_FASTER``).
 
 ``python -m posenc.gpusession --lease N --dry-run`` prints a lease with its budgets; ``--rehearse`` runs it on CPU.
 """
@@ -49,6 +51,7 @@ LEASES: dict[int, tuple[Part, ...]] = {
     2: (Part("proof", 570.0),),
     3: (Part("speed", 570.0, length=8192),),
     **{4 + index: (Part("repro", 570.0, scheme=scheme),) for index, scheme in enumerate(REPRO_SCHEMES)},
+    4 + len(REPRO_SCHEMES): (Part("speed", 300.0, part="kernels"),),
 }
 
 
