@@ -330,6 +330,7 @@ def test_report_builds_the_expected_table(tmp_path: Path) -> None:
     markdown = build_report(find_results([tmp_path]), tmp_path / "report")
     lines = markdown.splitlines()
     assert "| length | ×L | alibi (n=2 · ? steps · ? tokens) | sinusoidal (n=1 · ? steps · ? tokens) |" in lines
+
     # No loss per document recorded: over seeds only (ᵗ), exp of the mean log and of its 95% t interval over two seeds
     # (t = 12.706 at 1 degree of freedom: 12.706 · s / √2); ◆ the best at each length; a one-seed column shows its
     # value alone, and one shared seed is no test (no word).

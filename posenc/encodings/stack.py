@@ -10,7 +10,8 @@ import math
 
 from torch import Tensor, nn
 
-from posenc.encodings.base import BiasGradientForm, PositionalEncoding, ScoreMod, StickForm
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import BiasGradientForm, ScoreMod, StickForm
 
 
 class Stack(PositionalEncoding):

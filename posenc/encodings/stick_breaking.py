@@ -55,7 +55,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posenc.encodings import register
-from posenc.encodings.base import PositionalEncoding, StickForm
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import StickForm
 from posenc.runtime import full_precision
 
 # Where what no key took goes: the query's own value (the reference code's tests) or a learned vector per head (the
