@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -26,6 +29,27 @@ FAST = [
     "eval.copy.samples=4",
     "eval.plots=false",
 ]
+
+
+def encoding_configs(heads: int, head_dim: int, declares: Callable[[Any], bool]) -> list[dict[str, Any]]:
+    """The configs of conf/encoding, as a run reads them ({"name": ..., **options}), whose scheme ``declares``.
+
+    Per-layer schedules are left out: each of their layers is a scheme of the registry.
+    """
+    from posenc.bench.step import encoding_spec
+    from posenc.config import encoding_choices
+    from posenc.encodings import build
+
+    found = []
+    for name in encoding_choices():
+        spec = encoding_spec(name, 64)
+        spec = dict(spec) if isinstance(spec, dict) else {"name": spec}
+        options = {key: value for key, value in spec.items() if key != "name"}
+        if not isinstance(spec["name"], str):
+            continue
+        if declares(build(spec["name"], num_heads=heads, head_dim=head_dim, **options)):
+            found.append(spec)
+    return found
 
 
 def compose_train(*overrides: str) -> DictConfig:

@@ -21,6 +21,7 @@ from posenc.bench.run import markdown, run
 from posenc.bench.step import interleaved_steps_ms
 from posenc.config import CONF_DIR
 from posenc.encodings import build
+from posenc.gpu import plan
 
 TINY = [
     "device=cpu",
@@ -85,6 +86,22 @@ def test_bench_writes_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFi
     long = {r["scheme"] for r in saved["long_context"]}
     assert long == {"alibi", "t5"}  # relative schemes only: not learned
     assert all("forward_ms" in r for r in saved["long_context"])
+
+
+def test_the_kernels_part_times_the_fused_kernel_beside_the_blocked_form(tmp_path: Path) -> None:
+    # The GPU plan's kernels part at a tiny size: each scheme with a fused kernel of its own attention through triton
+    # (here Triton's interpreter) and through auto (its blocked form), beside the unbiased references.
+    schemes = plan.kernel_schemes()
+    cfg = _compose(
+        "attention.lengths=[32]", "attention.head_dim=16", f"attention.schemes=[{','.join(schemes)}]",
+        f"attention.backends=[{','.join(plan.KERNEL_BACKENDS)}]", "train_step.schemes=[]", "long_context.length=null",
+    )  # fmt: skip
+    rows = {(r["scheme"], r["backend"]): r for r in run(cfg, tmp_path)["attention"]}
+    assert schemes and {"stick_breaking"} <= set(schemes)
+    for scheme in schemes:
+        assert rows[scheme, "auto"]["resolved"] == "scheme"  # nothing measured: auto keeps the blocked form
+        for backend in plan.KERNEL_BACKENDS:
+            assert rows[scheme, backend]["train_x_best"] > 0 and "train_error" not in rows[scheme, backend]
 
 
 def test_a_profiled_train_step_says_where_its_time_went(tmp_path: Path) -> None:

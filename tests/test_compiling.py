@@ -20,7 +20,7 @@ from posenc.attention import get_backend
 from posenc.attention.flex import FP32_KERNEL_OPTIONS, TABLE_KERNEL_OPTIONS, compiled_flex_attention, kernel_options
 from posenc.attention.flex_learnable import _AttachBiasGradient
 from posenc.encodings import available
-from posenc.encodings.base import TableForm
+from posenc.encodings.forms import TableForm
 from posenc.model import Decoder
 from posenc.training.compiling import compile_blocks, eager_blocks
 

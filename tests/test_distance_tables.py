@@ -15,7 +15,7 @@ from conftest import HEAD_DIM, HEADS, SCHEMES, make
 import posenc.attention.sdpa as sdpa
 from posenc.attention import get_backend
 from posenc.attention.tables import distance_mask, plan_gradient, reads_table, tabulate
-from posenc.encodings.base import DerivativeForm
+from posenc.encodings.forms import DerivativeForm
 
 TABLE_SCHEMES = [name for name in SCHEMES if reads_table(make(name))]
 STACK = "+".join(TABLE_SCHEMES)  # every distance-only bias of the registry in one scheme

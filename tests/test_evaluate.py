@@ -330,11 +330,17 @@ def test_report_builds_the_expected_table(tmp_path: Path) -> None:
     markdown = build_report(find_results([tmp_path]), tmp_path / "report")
     lines = markdown.splitlines()
     assert "| length | ×L | alibi (n=2 · ? steps · ? tokens) | sinusoidal (n=1 · ? steps · ? tokens) |" in lines
-    # Mean ± the 95% Student-t half-width over two seeds (t = 12.706 at 1 degree of freedom: 12.706 · s / √2), ◆ the
-    # best mean at each length; a one-seed column shows its mean alone, and one shared seed is no paired test (?).
-    assert "| 64 | 1 | 11.00 ± 12.71 ? | 10.00 ◆ |" in lines
-    assert "| 256 | 4 | 11.50 ± 19.06 ◆ | 200.00 ? |" in lines
-    assert "| 256 | 4 | 1.042 ± 0.529 ◆ | 20.000 ? |" in lines  # ratio table: (1.0, 13/12) and 20
+
+    # No loss per document recorded: over seeds only (ᵗ), exp of the mean log and of its 95% t interval over two seeds
+    # (t = 12.706 at 1 degree of freedom: 12.706 · s / √2); ◆ the best at each length; a one-seed column shows its
+    # value alone, and one shared seed is no test (no word).
+    def over_seeds(a: float, b: float, digits: int) -> str:
+        mean, half = (math.log(a) + math.log(b)) / 2, 12.706205 * abs(math.log(a / b)) / 2
+        return f"{math.exp(mean):.{digits}f} [{math.exp(mean - half):.{digits}f}, {math.exp(mean + half):.{digits}f}]ᵗ"
+
+    assert f"| 64 | 1 | {over_seeds(10, 12, 2)} | 10.00ᵗ ◆ |" in lines
+    assert f"| 256 | 4 | {over_seeds(10, 13, 2)} ◆ | 200.00ᵗ |" in lines
+    assert f"| 256 | 4 | {over_seeds(1.0, 13 / 12, 3)} ? | 20.000ᵗ |" in lines  # ratios (1, 13/12), 20: against 1
     assert (tmp_path / "report" / "report.md").exists()
     assert (tmp_path / "report" / "ppl_vs_length_L64_nonoverlap.png").stat().st_size > 0
 

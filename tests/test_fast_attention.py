@@ -19,7 +19,7 @@ from posenc.attention.bias_grad import diagonal_sums, row_deltas
 from posenc.attention.flex import _causal, build_causal_block_mask
 from posenc.attention.flex_learnable import supports
 from posenc.encodings import scheme_class, stack_members
-from posenc.encodings.base import DerivativeForm, TableForm
+from posenc.encodings.forms import DerivativeForm, TableForm
 from posenc.encodings.kerple import KerpleLog
 from posenc.model import Decoder
 from posenc.training.compiling import compile_blocks, should_compile

@@ -181,6 +181,18 @@ def test_triton_matches_eager_in_bf16_at_2048() -> None:
         assert (value - reference).norm() <= 3e-2 * reference.norm()
 
 
+# Every scheme with a fused kernel of its own attention (a stick_form): the compiled kernels, bf16, head dim 64, at a
+# length no tile divides, against the fp32 dense reference (the interpreter cannot run bf16; the lane only compiles).
+STICK = [name for name in RELATIVE if _scheme(name).stick_form() is not None]
+
+
+@pytest.mark.parametrize("name", STICK)
+def test_stick_kernels_match_eager_in_bf16(name: str) -> None:
+    got, expected = _run("triton", name, 1000, torch.bfloat16), _run("eager", name, 1000, torch.float32)
+    for value, reference in zip(got, expected, strict=True):
+        assert (value - reference).norm() <= 3e-2 * reference.norm()
+
+
 # flash-linear-attention's PaTH kernel is opaque to the compiler (torch.compiler.disable): one break by design. Other
 # schemes that supply their own attention (stick-breaking's blocked path) compile into the block's one graph.
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from conftest import SCHEMES, make
 
 import posenc.attention.flex as flex
 from posenc.attention.auto import choose
-from posenc.encodings.base import DerivativeForm, TableForm
+from posenc.encodings.forms import DerivativeForm, TableForm
 from posenc.evaluate.attention_stats import attention_statistics
 from posenc.model import Decoder
 from posenc.training.compiling import compile_blocks

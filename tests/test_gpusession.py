@@ -52,6 +52,7 @@ def test_proof_trains_every_config_once_beside_the_gpu_tests(tmp_path: Path) -> 
         ("speed", {}),
         ("speed", {"part": "train-step"}),
         ("speed", {"part": "bias"}),
+        ("speed", {"part": "kernels"}),
         ("repro", {}),
         ("repro", {"scheme": "rope"}),
     ],

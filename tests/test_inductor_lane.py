@@ -139,8 +139,31 @@ def test_the_table_kernels_compile_fit_and_never_spill_on_every_gpu(all_rows: li
     # Triton's launcher types a Python float fp32 and specialises aligned pointers and sizes divisible by 16: a
     # kernel compiled from a bare signature (fp64 scale, nothing divisible) needed less shared memory than a launch.
     for row in compiled:
-        assert row["scale_type"] == "fp32" and {"Q", "K", "V", "Lse", "Table"} <= set(row["divisible"]), row
+        pointers = STICK_POINTERS.get(row["kernel"], {"Q", "K", "V", "Lse", "Table"})
+        assert row["scale_type"] == "fp32" and pointers <= set(row["divisible"]), row
         assert ("length" in row["divisible"]) == (row["length"] % 16 == 0), row
+
+
+# The pointers of stick-breaking's kernels, every one of them aligned as every CUDA allocation is.
+STICK_POINTERS = {
+    "stick_forward": {"Q", "K", "V", "HeadBias", "Out"},
+    "stick_forward_own_value": {"Q", "K", "V", "Out"},
+    "stick_backward": {"Q", "K", "V", "DOut", "Delta", "DQ", "DK", "DV", "Remainder"},
+}
+
+
+@pytest.mark.lane
+@needs_pinned
+def test_stick_breaking_kernels_compile_fit_and_never_spill_on_every_gpu(all_rows: list[dict]) -> None:
+    # attention=triton's kernels for a scheme's stick_form: each GPU, both targets of the forward's remainder, the
+    # backward, bf16 and fp32 at head dims 64 and 128 (fp32 at 128 refused), a length divisible by 16 and one not.
+    assert set(STICK_POINTERS) == set(table.LANE_STICK_KERNELS)
+    rows = [row for row in all_rows if row.get("kind") == "table" and row["kernel"] in STICK_POINTERS]
+    assert {(row["gpu"], row["kernel"]) for row in rows} == {(gpu, kernel) for gpu in GPUS for kernel in STICK_POINTERS}
+    compiled = [row for row in rows if "refused" not in row]
+    assert len(compiled) == len(GPUS) * len(STICK_POINTERS) * 3 * len(table.LENGTHS)  # bf16 d64, d128, fp32 d64
+    assert table.failures(rows) == []
+    assert all(row["spills"] == 0 and row["shared"] <= row["limit"] and row["registers"] for row in compiled)
 
 
 @pytest.mark.lane

@@ -15,7 +15,7 @@ from conftest import BIAS_SCHEMES, HEAD_DIM, HEADS, SCHEMES, layer_features, mak
 
 from posenc.attention import get_backend
 from posenc.attention.flex_learnable import supports
-from posenc.encodings.base import DerivativeForm, TableForm
+from posenc.encodings.forms import DerivativeForm, TableForm
 
 Q_POS = torch.tensor([0, 255, 256, 257, 511, 2047, 2048, 2049, 3001, 4095])  # around every power of two that matters
 K_POS = torch.arange(4096)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from conftest import HEAD_DIM, HEADS, SCHEMES, SUPPLIED_SCHEMES, layer_features, make
+from helpers import encoding_configs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import posenc.attention.triton_table as triton_table
@@ -20,7 +21,10 @@ from posenc.lane.cases import cases, not_on_flex, skipped
 
 ROTARY = next(name for name in SCHEMES if make(name).rotates and not make(name).adds_bias)
 CASES = [*SUPPLIED_SCHEMES, *(f"{ROTARY}+{name}" for name in SUPPLIED_SCHEMES)]
-STICK_CASES = ["stick_breaking", f"{ROTARY}+stick_breaking"]
+# Every config whose scheme declares stick-breaking's attention (both forms), and each such registered scheme under a
+# rotation: by declaration, not by name.
+STICK_FORMS = encoding_configs(HEADS, HEAD_DIM, lambda enc: enc.stick_form() is not None)
+STICK_FORMS += [{"name": f"{ROTARY}+{name}"} for name in SUPPLIED_SCHEMES if make(name).stick_form() is not None]
 
 
 def _grads(attend, name: str, length: int, first_pos: int = 0) -> list[torch.Tensor]:
@@ -109,8 +113,16 @@ def test_a_later_token_never_changes_an_earlier_row(name: str) -> None:
     assert not torch.allclose(before[:, :, 8:], after[:, :, 8:])
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "flex_learnable", "triton"])
-@pytest.mark.parametrize("name", SUPPLIED_SCHEMES)
+# triton runs stick-breaking's attention in a fused kernel (tests/test_triton_stick.py) and refuses every other.
+@pytest.mark.parametrize(
+    "name, backend",
+    [
+        (name, backend)
+        for name in SUPPLIED_SCHEMES
+        for backend in ("sdpa", "flex", "flex_learnable", "triton")
+        if backend != "triton" or make(name).stick_form() is None
+    ],
+)
 def test_softmax_backends_refuse_it_in_one_line(name: str, backend: str) -> None:
     enc = make(name)
     pos = torch.arange(8)
@@ -151,18 +163,36 @@ def test_the_lane_says_why_it_compiles_nothing_for_it(name: str) -> None:
 # --- stick-breaking's blocked path ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", STICK_CASES)
-@pytest.mark.parametrize("rows", [1, 4, 7, 37, None])
+def _form_grads(attend, spec: dict, length: int, first_pos: int = 5) -> list[torch.Tensor]:
+    """Output and the gradients of q, k, v and every parameter (made to matter) of a config's scheme."""
+    torch.manual_seed(7)
+    enc = make(spec["name"], **{key: value for key, value in spec.items() if key != "name"})
+    with torch.no_grad():
+        for parameter in enc.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    pos = torch.arange(first_pos, first_pos + length)
+    q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
+    out = attend(*enc.rotate(q, k, pos, pos), v, enc, pos, pos, None)
+    return [out, *torch.autograd.grad((out * torch.randn(out.shape)).sum(), [q, k, v, *enc.parameters()])]
+
+
+@pytest.mark.parametrize("spec", STICK_FORMS, ids=lambda spec: "-".join(map(str, spec.values())))
+@pytest.mark.parametrize("tile", [(1, 1), (4, 3), (7, 16), (16, 7), (37, 64), None])
 @pytest.mark.parametrize("length", [37, 64])
-def test_blocked_path_matches_the_dense_reference_values_and_gradients(name: str, rows: int, length: int) -> None:
-    expected = _grads(_dense, name, length, first_pos=5)
+def test_blocked_form_matches_the_dense_reference_values_and_gradients(
+    spec: dict, tile: tuple[int, int] | None, length: int
+) -> None:
+    # Tiles of one score, taller than wide, wider than tall, a whole window, and the default: the stick carried
+    # from tile to tile of keys, and rows whose mask spans several tiles. The form's head vector and norm ride along.
+    expected = _form_grads(_dense, spec, length)
 
     def blocked(q, k, v, enc, q_pos, k_pos, features):
-        if rows is None:
+        if tile is None:
             return enc.attend(q, k, v, q_pos, k_pos, features)
-        return stick_breaking_attention(q, k, v, q_pos, k_pos, rows)
+        form = enc.stick_form()
+        return form.finish(stick_breaking_attention(q, k, v, q_pos, k_pos, form.head_bias, tile=tile))
 
-    for value, reference in zip(_grads(blocked, name, length, first_pos=5), expected, strict=True):
+    for value, reference in zip(_form_grads(blocked, spec, length), expected, strict=True):
         torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
 
 
@@ -184,10 +214,10 @@ def test_large_scores_stay_finite_and_match_the_reference(scale: float) -> None:
         torch.testing.assert_close(value, reference, atol=1e-4 * max(1.0, reference.abs().max().item()), rtol=1e-3)
 
 
-def test_blocked_path_never_holds_more_than_a_block_of_scores() -> None:
-    # O(Lk) memory per query row: no tensor of the forward or the backward spans more than `rows` queries × Lk keys
-    # (or the (B, H, L, D) inputs and outputs), where the dense reference's are (B, H, L, L).
-    batch, length, rows = 2, 96, 8
+def test_blocked_path_never_holds_more_than_a_tile_of_scores() -> None:
+    # No tensor of the forward or the backward spans more than a tile of `rows` queries × `keys` keys (or the
+    # (B, H, L, D) inputs and outputs), where the dense reference's are (B, H, L, L).
+    batch, length, rows, keys = 2, 96, 8, 16
     sizes = []
 
     class Sizes(TorchDispatchMode):
@@ -199,8 +229,8 @@ def test_blocked_path_never_holds_more_than_a_block_of_scores() -> None:
     q, k, v = (torch.randn(batch, HEADS, length, HEAD_DIM, requires_grad=True) for _ in range(3))
     pos = torch.arange(length)
     with Sizes():
-        stick_breaking_attention(q, k, v, pos, pos, rows).square().sum().backward()
-    assert sizes and max(sizes) <= batch * HEADS * max(rows * length, length * HEAD_DIM)
+        stick_breaking_attention(q, k, v, pos, pos, tile=(rows, keys)).square().sum().backward()
+    assert sizes and max(sizes) <= batch * HEADS * max(rows * keys, length * HEAD_DIM)
 
 
 def test_bf16_autocast_is_close_to_fp32_and_keeps_the_arithmetic_in_fp32() -> None:
@@ -259,19 +289,13 @@ def test_stick_breaking_trained_form_puts_the_remainder_on_a_head_vector_and_nor
     outputs = torch.tensor([0.0, 1 / 4, 3 / 8 + 5, 3 / 32 + 10 / 8 + 75]) - 7.0 * remainder
     for attend in (enc.attend, lambda *args: _dense(*args[:3], enc, *args[3:])):
         torch.testing.assert_close(attend(q, k, v, pos, pos)[0, 0, :, 0], outputs)
+    # Its values and every gradient against the dense form: the blocked-form test above, over every config.
     torch.manual_seed(3)
     trained = make("stick_breaking", remainder="head_bias", head_norm=True)
     for parameter in trained.parameters():
         parameter.data.normal_()
     pos = torch.arange(30)
-    q, k, v = (torch.randn(2, HEADS, 30, HEAD_DIM, requires_grad=True) for _ in range(3))
-    weight = torch.randn(2, HEADS, 30, HEAD_DIM)
-    inputs = [q, k, v, *trained.parameters()]
-    grads = []
-    for attend in (trained.attend, lambda *args: _dense(*args[:3], trained, *args[3:])):
-        out = attend(q, k, v, pos, pos)
-        grads.append([out, *torch.autograd.grad((out * weight).sum(), inputs)])
-    for value, reference in zip(*grads, strict=True):
-        torch.testing.assert_close(value, reference, atol=1e-5, rtol=1e-4)
-    suffix = trained.attend(q[:, :, 20:], k, v, pos[20:], pos)
-    torch.testing.assert_close(suffix, grads[0][0][:, :, 20:], atol=1e-6, rtol=1e-5)
+    q, k, v = (torch.randn(2, HEADS, 30, HEAD_DIM) for _ in range(3))
+    with torch.no_grad():  # new queries over cached keys: the full window's rows
+        full, suffix = trained.attend(q, k, v, pos, pos), trained.attend(q[:, :, 20:], k, v, pos[20:], pos)
+    torch.testing.assert_close(suffix, full[:, :, 20:], atol=1e-6, rtol=1e-5)

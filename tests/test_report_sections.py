@@ -180,7 +180,7 @@ def test_a_scheme_at_several_settings_says_which_verdicts_survive_every_setting(
     section = markdown.split("## Settings sensitivity, trained at L=32 — nonoverlapping windows")[1]
     rows = [line for line in section.splitlines() if line.startswith("| fire |")]
     assert [row.split("|")[2].strip() for row in rows] == ["init_threshold 16", "init_threshold 64"]
-    assert rows[0].split("|")[6].strip() == "flat" and rows[1].split("|")[6].strip() == "separated"
+    assert rows[0].split("|")[6].strip() == "flat" and rows[1].split("|")[6].strip() == "separated, above 1"
     assert "- **fire**: its ratio's word moves with its setting" in section
     learned = markdown.split("### What the length settings trained to")[1]
     assert "| fire · init_threshold=64 | 0 | threshold | 128 [96, 160] | 2 |" in learned

@@ -375,16 +375,19 @@ def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_ra
     assert offset.trainer.max_steps == 4500  # the offset task's pilot: nothing learned in 1,500
 
 
-def test_the_settings_sensitivity_arm_runs_each_setting_on_the_comparisons_recipe(tmp_path: Path) -> None:
+def test_the_settings_sensitivity_arm_and_the_tuning_ties_run_on_their_recipes(tmp_path: Path) -> None:
     # FIRE's threshold at L and 512, T5's 32 buckets up to 64 and 128: five seeds each, one directory per setting,
     # every other setting the comparison's (its tuned rates, test split, both protocols).
-    def jobs(name: str) -> set[str]:
-        command = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", name]
+    def jobs(name: str, *overrides: str) -> set[str]:
+        command = [sys.executable, "-c", LIST_JOBS, "-m", "-cd", str(SWEEPS), "-cn", name, *overrides]
         result = launch(tmp_path, command=command)
         assert result.returncode == 0, result.stderr[-3000:]
         return {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
 
     assert jobs("sensitivity_fire") == {f"fire-th{t}-L64-s{s}" for t in (64, 512) for s in range(5)}
+    # A tied tuning point at two more seeds, as the tuning ran it (its name, its rates), evaluated to 32×.
+    tied = ["+encoding=t5", "optim.lr=0.004", "optim.scheme_lr_multiplier=100"]
+    assert jobs("tune_ties", *tied) == {"t5-lr0.004-x100-L64-s11", "t5-lr0.004-x100-L64-s12"}
     assert jobs("sensitivity_t5") == {f"t5-b32-d{d}-L64-s{s}" for d in (64, 128) for s in range(5)}
     from omegaconf import OmegaConf
 

@@ -24,7 +24,7 @@ from posenc.encodings.base import PositionalEncoding, distances
 from posenc.model import Decoder
 
 pytest.importorskip("triton", reason="attention=triton needs the triton package (Linux); not installed here")
-KERNELS = triton_table.kernels()
+KERNELS = triton_launch.kernels()
 DEVICE = "cpu" if KERNELS.INTERPRETED else "cuda"
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip(
@@ -44,8 +44,13 @@ def _plain(name: str) -> bool:
 
 NO_BIAS_SCHEMES = [name for name in SCHEMES if _plain(name)]
 WIDENING_SCHEMES = [name for name in SCHEMES if make(name).qk_width != 1]  # q, k wider than v: one kernel width fails
-# What a softmax(q·kᵀ/√D + table) kernel cannot compute: biases that read q and k, attentions of the scheme's own.
-REFUSED_SCHEMES = [name for name in SCHEMES if make(name).adds_content_bias or make(name).supplies_attention]
+# What a softmax(q·kᵀ/√D + table) kernel cannot compute: biases that read q and k, attentions of the scheme's own but
+# stick-breaking's (its fused kernel: tests/test_triton_stick.py).
+REFUSED_SCHEMES = [
+    name
+    for name in SCHEMES
+    if make(name).adds_content_bias or (make(name).supplies_attention and make(name).stick_form() is None)
+]
 ALL_DISTANCE_BIASES = "+".join(DISTANCE_SCHEMES)  # every distance-only scheme in one stack
 
 
@@ -98,7 +103,7 @@ def test_schemes_without_a_bias_or_with_a_rotation(name: str) -> None:
 def test_refuses_content_dependent_biases_rather_than_dropping_them(name: str) -> None:
     pos = torch.arange(16, device=DEVICE)
     q, k, v = (torch.randn(1, HEADS, 16, HEAD_DIM, device=DEVICE) for _ in range(3))
-    with pytest.raises(ValueError, match=r"content-dependent bias|supplies its own attention"):
+    with pytest.raises(ValueError, match=r"content-dependent bias|supplies another attention"):
         get_backend("triton")(q, k, v, make(name), pos, pos)
 
 
@@ -222,7 +227,7 @@ def test_auto_picks_triton_only_where_a_measurement_is_recorded(monkeypatch: pyt
     for name in names:
         enc = make(name)
         picked = choose(enc, is_cuda=True, capability=(9, 0))
-        assert picked == ("triton" if auto.table_kind(enc) == "learnable" else before[name]), name
+        assert picked == ("triton" if auto.kernel_kind(enc) == "learnable" else before[name]), name
         assert choose(enc, is_cuda=True, capability=(8, 0)) == before[name]
         assert choose(enc, is_cuda=False, capability=(9, 0)) != "triton"
 

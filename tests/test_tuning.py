@@ -8,7 +8,7 @@ import pytest
 from helpers import compose_train
 
 from posenc.config import to_container
-from posenc.report.tuning import TIE, select, tuning_section, write_selection
+from posenc.report.tuning import SEED_SPREAD, band, seed_spread, select, tuning_section, write_selection
 from posenc.runs import RunError, apply_tuning
 
 
@@ -18,29 +18,52 @@ def _run(label: str, lr: float, multiplier: float, loss: float, seed: int = 10, 
         "seed": seed,
         "config": {"optim": {"lr": lr, "scheme_lr_multiplier": multiplier}},
         "eval": {"split": split},
-        "perplexity": [{"multiple": 1, "loss": loss, "error": None}, {"multiple": 2, "loss": 0.1, "error": None}],
+        "perplexity": [
+            {"multiple": 1, "loss": loss, "error": None, "ratio": 1.0},
+            {"multiple": 2, "loss": 0.1, "error": None, "ratio": 1.1},
+        ],
     }
 
 
 def test_the_lowest_in_length_validation_loss_wins_and_ties_go_to_the_smaller_settings() -> None:
+    # One replicated point (alibi 2e-3: 1.70, 1.74) measures the seeds' spread: σ = 0.0283 nats, so two single-seed
+    # points tie within 1.96 σ √2 = 0.078 and a single-seed point ties a two-seed one within 1.96 σ √1.5 = 0.068.
     results = [
         _run("t5", 1e-3, 1, 2.00),
-        _run("t5", 2e-3, 1, 1.90 + TIE / 2),  # tied with the best: the smaller multiplier wins
+        _run("t5", 2e-3, 1, 1.95),  # within 0.078 of the best: tied, and the smaller multiplier wins
         _run("t5", 2e-3, 10, 1.90),
-        _run("t5", 4e-3, 100, 1.95),
-        _run("alibi", 1e-3, 1, 1.80),
+        _run("t5", 4e-3, 100, 1.99),  # outside: not tied
+        _run("alibi", 1e-3, 1, 1.80),  # 0.09 above the best: outside its band of 0.078
         _run("alibi", 2e-3, 1, 1.70),
-        _run("alibi", 2e-3, 1, 1.74, seed=11),  # seeds are averaged: 1.72
+        _run("alibi", 2e-3, 1, 1.74, seed=11),  # seeds are averaged: 1.72, tied with 1.71; the smaller rate wins
         _run("alibi", 4e-3, 1, 1.71),
         _run("alibi", 4e-3, 1, 0.5, split="test"),  # never selected on the reported split
     ]
+    spread, free, source = seed_spread(results)
+    assert spread == pytest.approx(0.04 / math.sqrt(2)) and free == 1 and "pooled over this grid" in source
+    assert band(spread, 1, 1) == pytest.approx(1.96 * 0.04) and band(spread, 3, 3) < band(spread, 1, 1)
     chosen = select(results)
     assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (2e-3, 1)
-    assert (chosen["alibi"]["lr"], chosen["alibi"]["scheme_lr_multiplier"]) == (4e-3, 1)
-    assert chosen["alibi"]["margin_to_next"] == pytest.approx(0.01)
-    assert len(chosen["t5"]["grid"]) == 4
+    assert [(t["lr"], t["scheme_lr_multiplier"]) for t in chosen["t5"]["tied"]] == [(2e-3, 1), (2e-3, 10)]
+    assert (chosen["alibi"]["lr"], chosen["alibi"]["scheme_lr_multiplier"]) == (2e-3, 1)
+    assert not chosen["alibi"]["resolved"] and len(chosen["t5"]["grid"]) == 4
     text = "\n".join(tuning_section(results))
-    assert f"{math.exp(1.71):.3f} ◆" in text and "lowest in-length (1×) validation loss" in text
+    assert f"{math.exp(1.72):.3f} (n=2) ◆" in text and "lowest in-length (1×) validation loss" in text
+    # Every tied point short of three seeds is listed as the run that would resolve it.
+    assert "+encoding=t5 optim.lr=0.002 optim.scheme_lr_multiplier=10  # 1 seed(s)" in text
+    assert "+encoding=alibi optim.lr=0.002 optim.scheme_lr_multiplier=1  # 2 seed(s)" in text
+    # Each tied point's longest ratio, where its runs were evaluated there (here every run has 2×: ratio 1.1).
+    assert "| alibi | 0.002 ×1 ◆ | 2× | 1.100 | 2 |" in text
+
+
+def test_without_a_replicated_point_the_spread_is_the_comparisons_and_said_so() -> None:
+    results = [_run("t5", 1e-3, 1, 2.00), _run("t5", 2e-3, 1, 2.00 + SEED_SPREAD["text"])]
+    spread, free, source = seed_spread(results)
+    assert (spread, free) == (SEED_SPREAD["text"], 0) and "comparison's five seeds" in source
+    chosen = select(results)["t5"]
+    assert len(chosen["tied"]) == 2 and chosen["lr"] == 1e-3 and not chosen["resolved"]
+    resolved = select([*results, *(_run("t5", lr, 1, 2.0, seed=s) for lr in (1e-3, 2e-3) for s in (11, 12))])
+    assert resolved["t5"]["resolved"]
 
 
 def test_a_run_takes_its_schemes_tuned_rates_and_an_untuned_scheme_is_refused(tmp_path) -> None:
@@ -92,14 +115,14 @@ def test_a_task_is_selected_on_its_last_validation_loss_not_its_best_or_its_eval
     results = [
         _task_run(tmp_path, "t5", 1e-3, 1, [2.0, 0.05, 0.9]),  # best early, last high: not selected
         _task_run(tmp_path, "t5", 3e-3, 1, [2.0, 0.40, 0.30]),
-        _task_run(tmp_path, "t5", 3e-3, 10, [2.0, 0.30, 0.30 - TIE / 2]),  # tied: the smaller multiplier wins
+        _task_run(tmp_path, "t5", 3e-3, 10, [2.0, 0.30, 0.30 - SEED_SPREAD["task"]]),  # tied: the smaller multiplier
         _task_run(tmp_path, "t5", 1e-2, 100, [2.0, 1.00, 0.20]),  # the lowest last loss
         _task_run(tmp_path, "alibi", 1e-3, 1, [2.0, 1.0, 1.5]),
         _task_run(tmp_path, "alibi", 1e-2, 1, [2.0, 1.0, 1.2]),
     ]
     chosen = select(results)
     assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (1e-2, 100)
-    assert chosen["t5"]["margin_to_next"] == pytest.approx(0.1 - TIE / 2)
+    assert chosen["t5"]["margin_to_next"] == pytest.approx(0.1 - SEED_SPREAD["task"])
     assert (chosen["alibi"]["lr"], chosen["alibi"]["scheme_lr_multiplier"]) == (1e-2, 1)
     results[3] = _task_run(tmp_path / "other", "t5", 1e-2, 100, [2.0, 1.0, 0.30])  # now tied with x1 and x10 at 3e-3
     chosen = select(results)

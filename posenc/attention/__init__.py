@@ -9,7 +9,8 @@ gets its keys' ``features`` from every backend.
 A scheme that supplies its own attention (``supplies_attention``: PaTH, stick-breaking) is not a softmax with a bias:
 ``eager`` multiplies its dense reference weights by v, ``scheme`` runs its own memory-bounded ``attend`` (``auto``
 picks it, and cached decoding falls back to it), and every backend built around softmax(q·kᵀ/√D + bias) refuses it
-in one line (``refuse_supplied_attention``): none runs a softmax in its place.
+in one line (``refuse_supplied_attention``): none runs a softmax in its place. ``triton`` also runs stick-breaking's
+attention in a fused kernel, for a scheme that declares its ``stick_form``, and refuses every other such scheme.
 
 Every backend takes the layer's sink (``sink``: ``posenc/attention/sink.py``), the columns a softmax row holds in
 front of the keys: ``eager`` puts them in its dense softmax, ``sdpa`` in front of the keys it hands SDPA, and the
@@ -100,8 +101,9 @@ def refuse_content_bias(encoding: PositionalEncoding, backend: str) -> None:
 def refuse_supplied_attention(encoding: PositionalEncoding, backend: str) -> None:
     """Refuse a scheme that supplies its own attention in a backend that computes softmax(q·kᵀ/√D + bias).
 
-    Such a backend (sdpa, flex, flex_learnable, triton) would otherwise run softmax attention in the scheme's place;
-    every one of them lists this first among its ``refuses``.
+    Such a backend (sdpa, flex, flex_learnable) would otherwise run softmax attention in the scheme's place; every one
+    of them lists this first among its ``refuses`` (``triton`` its own, which lets stick-breaking's ``stick_form``
+    through to its fused kernel).
     """
     if encoding.supplies_attention:
         raise ValueError(

@@ -14,21 +14,22 @@
 - a content-dependent bias (CoPE, DAPE, data-dependent ALiBi, FoX), any device → ``sdpa`` with the bias computed
   per query chunk: a score_mod sees positions only, so ``flex`` and ``flex_learnable`` refuse it;
 - a scheme that supplies its own attention (PaTH, stick-breaking), any device → ``scheme``: the scheme's own
-  memory-bounded ``attend`` (no softmax kernel computes it; ``sdpa``, ``flex``, ``flex_learnable`` and ``triton``
-  refuse it);
+  memory-bounded ``attend`` (no softmax kernel computes it; ``sdpa``, ``flex`` and ``flex_learnable`` refuse it, and
+  ``triton`` every one but stick-breaking's, whose ``stick_form`` its fused kernel runs);
 - a sink (``posenc/attention/sink.py``) on CUDA with no bias → ``flex``, which merges it through its row lse in one
   fused kernel (SDPA would take the sink as a wider key and leave its flash kernels); a biased scheme keeps the
   choices above, each of which takes a sink;
 - a distance-only bias on a GPU class where a recorded measurement found ``triton`` (one fused kernel reading the
   distance table, its gradient reduced per distance inside the backward) faster than the choice above, for that kind
-  of bias (``MEASURED_FASTER``) → ``triton``. None is recorded yet: its GPU speed has not been measured, so ``auto``
-  keeps the choices above on every GPU.
+  of bias (``MEASURED_FASTER``) → ``triton``; likewise stick-breaking's fused kernel against ``scheme`` (the kind
+  "stick"). None is recorded yet: their GPU speed has not been measured, so ``auto`` keeps the choices above on every
+  GPU. A shape or mode the kernels refuse (``triton_fits``) keeps the choice without them.
 
-The choice reads only what the scheme declares (``supplies_attention``, ``adds_content_bias``, ``adds_bias``,
-``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``, ``distance_only``), whether there is a
-sink, whether gradients are being recorded, and for ``MEASURED_FASTER`` the GPU's compute capability. A run records
-what it resolved to (``resolved``, in ``run.json``'s ``train_conditions``), as the benchmark does beside every ``auto``
-row.
+The choice reads only what the scheme declares (``supplies_attention``, ``stick_form``, ``adds_content_bias``,
+``adds_bias``, ``learnable_bias``, ``bias_gradient_forms``, ``score_mod_differentiable``, ``distance_only``), whether
+there is a sink, whether gradients are being recorded, and for ``MEASURED_FASTER`` the GPU's compute capability. A run
+records what it resolved to (``resolved``, in ``run.json``'s ``train_conditions``), as the benchmark does beside every
+``auto`` row.
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path
 
 # GPU classes (compute capability) on which a GPU session measured ``attention=triton`` faster than ``auto``'s other
-# choice, per kind of distance-only bias ("learnable" or "fixed"), in the same process and shape. An entry cites its
-# measurement in docs/benchmarks.md; without one, auto keeps its other choice. Nothing is measured yet.
+# choice, per kind of kernel (a "learnable" or "fixed" distance table, or "stick": stick-breaking's), in the same
+# process and shape. An entry cites its measurement in docs/benchmarks.md; without one, auto keeps its other choice.
+# Nothing is measured yet.
 MEASURED_FASTER: dict[tuple[int, int], frozenset[str]] = {}
 
 
-def table_kind(encoding: PositionalEncoding) -> str | None:
-    """Which table ``triton`` would run: "learnable", "fixed", or ``None`` (no distance table, or q, k widened)."""
-    if not reads_table(encoding) or encoding.qk_width != 1 or encoding.supplies_attention:
+def kernel_kind(encoding: PositionalEncoding) -> str | None:
+    """Which kernel ``triton`` would run: "stick", "learnable", "fixed", or ``None`` (none: it would refuse)."""
+    if encoding.supplies_attention:
+        return "stick" if encoding.stick_form() is not None and encoding.qk_width == 1 else None
+    if not reads_table(encoding) or encoding.qk_width != 1:
         return None
     return "learnable" if encoding.learnable_bias else "fixed"
 
@@ -64,14 +68,14 @@ def choose(
     sink: bool = False,
 ) -> str:
     """Name of the backend ``auto`` uses for this scheme (with a sink or not) on this device, training or not."""
+    if is_cuda and capability is not None and kernel_kind(encoding) in MEASURED_FASTER.get(capability, frozenset()):
+        return "triton"
     if encoding.supplies_attention:
         return "scheme"
     if encoding.adds_content_bias or not is_cuda:
         return "sdpa"
     if not encoding.adds_bias:
         return "flex" if sink else "sdpa"
-    if capability is not None and table_kind(encoding) in MEASURED_FASTER.get(capability, frozenset()):
-        return "triton"
     if encoding.learnable_bias and supports(encoding):
         return "flex_learnable"
     if training and encoding.learnable_bias and not encoding.score_mod_differentiable:
@@ -90,12 +94,15 @@ def resolved(
     }
 
 
-def triton_fits(q: Tensor, k: Tensor) -> bool:
-    """Self-attention over one window at a head dim and dtype the table kernels take."""
+def triton_fits(q: Tensor, k: Tensor, encoding: PositionalEncoding) -> bool:
+    """Self-attention over one window at a head dim and dtype the kernels take, in a mode they take."""
+    from posenc.attention.triton_stick import refuse_deterministic
     from posenc.attention.triton_table import check_shape
 
     try:
         check_shape(q.shape[-1], q.dtype)
+        if kernel_kind(encoding) == "stick":
+            refuse_deterministic(torch.is_grad_enabled())
     except ValueError:
         return False
     return q.shape[-2] == k.shape[-2]
@@ -116,6 +123,6 @@ def auto_attention(
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda and MEASURED_FASTER else None
     training, has_sink = torch.is_grad_enabled(), sink is not None
     backend = choose(encoding, cuda_path(q), training, capability, has_sink)
-    if backend == "triton" and not triton_fits(q, k):  # a shape the kernels refuse: the choice without them
+    if backend == "triton" and not triton_fits(q, k, encoding):  # a shape the kernels refuse: the choice without them
         backend = choose(encoding, cuda_path(q), training, sink=has_sink)
     return get_backend(backend)(q, k, v, encoding, q_pos, k_pos, features=features, sink=sink)

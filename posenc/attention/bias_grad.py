@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posenc.encodings.base import TableForm
+from posenc.encodings.forms import TableForm
 from posenc.runtime import full_precision
 
 BAND_CHUNK = 64  # queries per chunk of the band: the key window is BAND_CHUNK + horizon - 1 wide

@@ -28,7 +28,8 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
 from posenc.attention.sink import SinkColumns
 from posenc.attention.tables import distance_table, reads_table, table_score_mod
-from posenc.encodings.base import PositionalEncoding, ScoreMod
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import ScoreMod
 from posenc.runtime import cuda_path
 
 

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from posenc.attention.bias_grad import derivative_sums, diagonal_sums, diagonal_totals, row_deltas, table_gradient
-from posenc.encodings.base import DerivativeForm, PositionalEncoding, ScoreMod, TableForm
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import DerivativeForm, ScoreMod, TableForm
 
 # (H, L) bias table -> (out (B, H, L, D), lse (B, H, L) fp32): one causal attention forward of the backward's q, k, v.
 AttendTable = Callable[[Tensor], tuple[Tensor, Tensor]]

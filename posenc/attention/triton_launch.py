@@ -1,6 +1,7 @@
-"""How the ``triton`` backend launches its table kernels: tiles per GPU class, grids and arguments.
+"""How the ``triton`` backend launches its kernels: tiles per GPU class, grids, arguments, the kernels' module.
 
-One place for it, read by the backend (``triton_table``) and by the kernel lane (``posenc.lane.table``), so that
+The table kernels (``triton_kernels``) and stick-breaking's (``triton_stick_kernels``). One place for it, read by the
+backend (``triton_table``, ``triton_stick``) and by the kernel lane (``posenc.lane.table``), so that
 the lane compiles exactly what a launch compiles: Triton specialises a kernel on its arguments (pointers aligned to
 16 bytes, integers divisible by 16 or equal to 1, a Python float typed fp32), and that changes the code, its shared
 memory and its registers. Importing this needs no triton.
@@ -8,6 +9,7 @@ memory and its registers. Importing this needs no triton.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -19,6 +21,7 @@ from torch import Tensor
 BLOCK_M = 64  # queries per tile off a GPU (Triton's interpreter, the CPU tests, which shrink it)
 BLOCK_N = 64  # keys per tile off a GPU
 KERNELS = ("forward", "backward_dq", "backward_dq_deterministic", "backward_dkdv")
+STICK_KERNELS = ("stick_forward", "stick_backward")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU class (compute capability), kernel, and (16-bit or fp32,
 # BLOCK_D ≤ 64 or 128): the smallest shared memory is the L4's / RTX 4090's (sm_89, 99 KiB a block), then the A100's
 # (sm_80, 163 KiB), the H100's (sm_90, 227 KiB). Each is a configuration that the kernel lane compiled as a launch
@@ -29,6 +32,14 @@ KERNELS = ("forward", "backward_dq", "backward_dq_deterministic", "backward_dkdv
 # warps or stages, else a halved key tile, taking one below the 255-register ceiling where there was a choice. How
 # fast each is, a GPU has yet to time. The deterministic dq kernel needs square tiles.
 Tiles = tuple[int, int, int, int]
+# Stick-breaking's kernels: the same tiles on every GPU class, ones the kernel lane compiled within each class's shared
+# memory and with no spill, below the 255-register ceiling (the backward's 64 × 32 with 4 warps spilled on the A100 at
+# bf16 d64, and with 4 warps at fp32 took all 255 at a length not divisible by 16; 32 × 32 with 8 warps took 80-202).
+# How fast they are, a GPU has yet to time.
+STICK_TILES: dict[str, dict[tuple[bool, int], Tiles]] = {
+    "stick_forward": {(False, 64): (64, 32, 4, 2), (False, 128): (64, 32, 8, 2), (True, 64): (32, 32, 4, 2)},
+    "stick_backward": {(False, 64): (32, 32, 8, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
+}
 # Keyed (fp32, BLOCK_D): (False, 64) is bf16/fp16 at head dims up to 64, (False, 128) up to 128, (True, 64) fp32.
 TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
     (8, 0): {  # A100
@@ -37,6 +48,7 @@ TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
         "backward_dq_deterministic": {
             (False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
         "backward_dkdv": {(False, 64): (64, 32, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (32, 32, 4, 1)},
+        **STICK_TILES,
     },
     (8, 9): {  # L4, RTX 4090
         "forward": {(False, 64): (64, 64, 4, 2), (False, 128): (64, 64, 8, 2), (True, 64): (64, 32, 8, 3)},
@@ -44,6 +56,7 @@ TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
         "backward_dq_deterministic": {
             (False, 64): (32, 32, 4, 2), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 2)},
         "backward_dkdv": {(False, 64): (64, 32, 4, 3), (False, 128): (64, 64, 8, 2), (True, 64): (32, 32, 4, 1)},
+        **STICK_TILES,
     },
     (9, 0): {  # H100, H200
         "forward": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 64, 8, 3), (True, 64): (64, 32, 8, 3)},
@@ -51,6 +64,7 @@ TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
         "backward_dq_deterministic": {
             (False, 64): (64, 64, 8, 3), (False, 128): (32, 32, 8, 2), (True, 64): (32, 32, 8, 3)},
         "backward_dkdv": {(False, 64): (64, 64, 4, 3), (False, 128): (64, 32, 8, 3), (True, 64): (32, 16, 8, 3)},
+        **STICK_TILES,
     },
 }  # fmt: skip
 SMALLEST_SHARED_MEMORY = (8, 9)
@@ -125,7 +139,42 @@ KERNEL_FUNCTIONS = {
     "backward_dq": "backward_dq_kernel",
     "backward_dq_deterministic": "backward_dq_kernel",
     "backward_dkdv": "backward_dkdv_kernel",
+    "stick_forward": "stick_forward_kernel",
+    "stick_backward": "stick_backward_kernel",
 }
+# The module of each kernel under posenc.attention, imported on first use (machines without triton import posenc).
+KERNEL_MODULES = {**dict.fromkeys(KERNELS, "triton_kernels"), **dict.fromkeys(STICK_KERNELS, "triton_stick_kernels")}
+
+
+def kernels(kernel: str = "forward") -> ModuleType:
+    """The module of ``kernel``, imported on first use so that machines without triton can still import posenc."""
+    try:  # through sys.modules, so a test can re-import it under the interpreter
+        return importlib.import_module(f"posenc.attention.{KERNEL_MODULES[kernel]}")
+    except ImportError as error:
+        raise RuntimeError(
+            f"attention=triton needs the triton package ({error}); install it (Linux: pip install triton) "
+            "or use attention=flex_learnable, flex or sdpa"
+        ) from None
+
+
+def check_device(q: Tensor, kernel: str = "forward") -> ModuleType:
+    """The module of ``kernel``, once the device and the way the kernels run (compiled or interpreted) can take ``q``.
+
+    Checked where the kernels launch, inside the operators: a compiled block traces an operator as one node and
+    never the import behind it.
+    """
+    module = kernels(kernel)
+    if module.INTERPRETED and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "Triton's interpreter has no bf16 tl.dot (numpy stores bf16 as raw uint16 bits): run attention=triton "
+            "in bf16 on a GPU, or use fp16/fp32 under TRITON_INTERPRET=1"
+        )
+    if not q.is_cuda and not module.INTERPRETED:
+        raise RuntimeError(
+            "attention=triton runs on CUDA tensors (on CPU only under Triton's interpreter, TRITON_INTERPRET=1, "
+            "for tests); use attention=sdpa on CPU"
+        )
+    return module
 
 
 def forward_launch(
@@ -187,3 +236,35 @@ def table_gradient_buffer(
         blocks = _cdiv(length, config["BLOCK_M"])
         return torch.zeros(batch * heads, blocks, blocks * config["BLOCK_N"], device=q.device, dtype=torch.float32)
     return torch.zeros(heads, length if bias_grad else 0, device=q.device, dtype=torch.float32)
+
+
+def stick_forward_launch(
+    q: Tensor, k: Tensor, v: Tensor, head_bias: Tensor | None, out: Tensor, capability: tuple[int, int] | None
+) -> Launch:
+    """Stick-breaking's forward: a program per (query block, batch × head); ``head_bias`` (H, D) or None (own value)."""
+    batch, heads, length, head_dim = q.shape
+    config = launch_config(q.dtype, head_dim, "stick_forward", capability)
+    bias_arg = head_bias if head_bias is not None else v  # v: a pointer never read
+    args = (
+        q, k, v, bias_arg, out, *_strides(q), *_strides(k), *_strides(v), *_strides(out), bias_arg.stride(0),
+        heads, length, head_dim, 1.0 / math.sqrt(head_dim),
+    )  # fmt: skip
+    grid = (_cdiv(length, config["BLOCK_M"]), batch * heads)
+    return Launch("stick_forward", grid, args, {"OWN_VALUE": head_bias is None, **config})
+
+
+def stick_backward_launch(tensors: dict[str, Tensor], capability: tuple[int, int] | None) -> Launch:
+    """Stick-breaking's backward: a program per query block.
+
+    ``tensors`` holds q, k, v, dout, delta, dq, dk, dv and remainder: dk, dv zeroed fp32 buffers laid out like dout,
+    delta and remainder (B, H, L) fp32.
+    """
+    t = tensors
+    batch, heads, length, head_dim = t["q"].shape
+    config = launch_config(t["q"].dtype, head_dim, "stick_backward", capability)
+    args = (
+        t["q"], t["k"], t["v"], t["dout"], t["delta"], t["dq"], t["dk"], t["dv"], t["remainder"],
+        *_strides(t["q"]), *_strides(t["k"]), *_strides(t["v"]), *_strides(t["dout"]),
+        heads, length, head_dim, 1.0 / math.sqrt(head_dim),
+    )  # fmt: skip
+    return Launch("stick_backward", (_cdiv(length, config["BLOCK_M"]), batch * heads), args, config)

@@ -1,4 +1,7 @@
-"""``triton``: one flash-attention kernel for every distance-only bias, learnable ones included.
+"""``triton``: one flash-attention kernel for every distance-only bias, learnable ones included, and stick-breaking's.
+
+A scheme whose attention is stick-breaking's (it declares a ``stick_form``) runs through the fused kernels of
+``triton_stick.py`` instead, with the same refusals below; any other scheme that supplies its own attention is refused.
 
 Every scheme whose bias is a function of the distance i − j alone (ALiBi, KERPLE, T5, Sandwich, sums of them)
 describes it as an (H, L) table through ``distance_bias``; the kernels (``triton_kernels.py``) add table[h, i − j] to
@@ -33,17 +36,21 @@ without triton.
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from posenc.attention import refuse, refuse_content_bias, refuse_supplied_attention, register_backend
+from posenc.attention import refuse, refuse_content_bias, register_backend
 from posenc.attention.bias_grad import row_deltas
 from posenc.attention.sink import SinkColumns
-from posenc.attention.triton_launch import backward_launches, forward_launch, table_gradient_buffer
+from posenc.attention.triton_launch import (
+    backward_launches,
+    check_device,
+    forward_launch,
+    table_gradient_buffer,
+)
+from posenc.attention.triton_stick import refuse_deterministic, stick_attention
 from posenc.encodings.base import PositionalEncoding
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # tl.dot needs ≥ 16; past 128 the tiles no longer fit in registers
@@ -51,17 +58,6 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # tl.dot needs ≥ 16; past 128 the tiles 
 # 227 KiB (232,448 bytes): the backend refuses fp32 past 64 rather than fail at launch with OutOfResources.
 MAX_FP32_HEAD_DIM = 64
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def kernels() -> ModuleType:
-    """The kernel module, imported on first use so that machines without triton can still import posenc."""
-    try:  # through sys.modules, so a test can re-import it under the interpreter
-        return importlib.import_module("posenc.attention.triton_kernels")
-    except ImportError as error:
-        raise RuntimeError(
-            f"attention=triton needs the triton package ({error}); install it (Linux: pip install triton) "
-            "or use attention=flex_learnable, flex or sdpa"
-        ) from None
 
 
 def _capability(t: Tensor) -> tuple[int, int] | None:
@@ -205,27 +201,16 @@ def check_supported(
     check_shape(q.shape[-1], q.dtype)
 
 
-def check_device(q: Tensor) -> ModuleType:
-    """The kernel module, once the device and the way the kernels run (compiled or interpreted) can take ``q``.
-
-    Checked where the kernels launch, inside the operator: a compiled block traces the operator as one node and
-    never the import behind it.
-    """
-    module = kernels()
-    if module.INTERPRETED and q.dtype == torch.bfloat16:
+def refuse_unfused_attention(encoding: PositionalEncoding, backend: str) -> None:
+    """Refuse a scheme that supplies its own attention unless it is stick-breaking's (``stick_form``), fused here."""
+    if encoding.supplies_attention and encoding.stick_form() is None:
         raise ValueError(
-            "Triton's interpreter has no bf16 tl.dot (numpy stores bf16 as raw uint16 bits): run attention=triton "
-            "in bf16 on a GPU, or use fp16/fp32 under TRITON_INTERPRET=1"
+            f"attention={backend} runs softmax(q·kᵀ/√D + bias) attention or stick-breaking's, and {encoding.label} "
+            "supplies another attention; use attention=auto, scheme or eager"
         )
-    if not q.is_cuda and not module.INTERPRETED:
-        raise RuntimeError(
-            "attention=triton runs on CUDA tensors (on CPU only under Triton's interpreter, TRITON_INTERPRET=1, "
-            "for tests); use attention=sdpa on CPU"
-        )
-    return module
 
 
-@register_backend("triton", refuses=(refuse_supplied_attention, refuse_content_bias, refuse_other_biases))
+@register_backend("triton", refuses=(refuse_unfused_attention, refuse_content_bias, refuse_other_biases))
 def triton_attention(
     q: Tensor,
     k: Tensor,
@@ -237,6 +222,14 @@ def triton_attention(
     sink: SinkColumns | None = None,
 ) -> Tensor:
     check_supported(q, k, v, encoding, q_pos, k_pos)
+    form = encoding.stick_form()
+    if form is not None:
+        if sink is not None:  # the model refuses the pair before it is built (sink.refuse_sink)
+            raise ValueError(
+                f"attention=triton runs {encoding.label}'s own attention, which has no softmax row for a sink"
+            )
+        refuse_deterministic(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+        return form.finish(stick_attention(q, k, v, form.head_bias))
     table = encoding.distance_bias(q.shape[-2]).float() if encoding.adds_bias else None  # (H, L), differentiable
     out, lse = table_attention(q, k, v, table)
     return out if sink is None else sink.merge(out, lse, q, encoding, q_pos)

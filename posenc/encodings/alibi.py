@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from posenc.encodings import register
-from posenc.encodings.base import PositionalEncoding, ScoreMod, distances
+from posenc.encodings.base import PositionalEncoding, distances
+from posenc.encodings.forms import ScoreMod
 
 
 def alibi_slopes(num_heads: int) -> list[float]:

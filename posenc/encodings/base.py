@@ -62,8 +62,12 @@ attention reads only q and k):
   suffix too.
 
 The ``scheme`` backend runs ``attend``, ``auto`` picks it, and cached decoding falls back to it; every backend that
-computes softmax(q·kᵀ/√D + bias) (``sdpa``, ``flex``, ``flex_learnable``, ``triton``) refuses such a scheme in one
-line (``posenc.attention.refuse_supplied_attention``).
+computes softmax(q·kᵀ/√D + bias) (``sdpa``, ``flex``, ``flex_learnable``) refuses such a scheme in one line
+(``posenc.attention.refuse_supplied_attention``). One whose attention is stick-breaking's, a stick broken from the
+nearest earlier key outwards with β_ij = σ(q_i·k_j/√D), may say so, and ``triton`` then runs it in a fused kernel:
+
+- ``stick_form()``: a ``StickForm`` (where the stick's remainder goes, and what the heads' output passes through
+  after), or ``None`` (the default). ``attention_weights`` stays the reference the kernel is tested against.
 
 Schemes whose bias depends only on the distance ``i - j`` also offer ``distance_bias(num_distances)``, the
 bias as an (H, D) table indexed by distance: an O(H·L) form fast backends use (and differentiate) instead of
@@ -84,53 +88,16 @@ one atomic add per score, which makes its backward hundreds of times slower than
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from posenc.encodings.forms import BiasGradientForm, ScoreMod, StickForm
+
 if TYPE_CHECKING:
     from posenc.encodings.length import LengthScaled
-
-# FlexAttention's score_mod signature: (score, batch, head, q_idx, kv_idx) -> score.
-ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class DerivativeForm:
-    """∂b_h(i, j)/∂parameter[h] = scale[h] · f_h(i, j) with f ≥ 0 everywhere (Identity 1).
-
-    ``log_factor`` is a score_mod that adds log f to the score (−∞ where f = 0), evaluated at absolute positions
-    like ``score_mod``, in fp32, reading only detached tensors. ``parameter`` is per head (H,); ``scale`` (H,) is
-    detached fp32. A derivative of mixed sign is declared as two forms whose scales have opposite signs.
-    """
-
-    parameter: Tensor
-    scale: Tensor
-    log_factor: ScoreMod
-
-
-@dataclass(frozen=True)
-class TableForm:
-    """b_h(d) = table[h, index[min(d, horizon)]] for causal distances d ≥ 0 (Identity 2).
-
-    ``index`` (horizon + 1,) int64 names the table entry of distances ``0 .. horizon``; every distance from
-    ``horizon`` on uses ``index[horizon]``. Only the scheme's own part of the bias is described: in a stack,
-    other members add their own biases on top.
-    """
-
-    table: Tensor
-    index: Tensor
-
-    @property
-    def horizon(self) -> int:
-        """Distance from which the table entry no longer changes: the band a backend must look at."""
-        return self.index.numel() - 1
-
-
-BiasGradientForm = DerivativeForm | TableForm
 
 
 class PositionalEncoding(nn.Module):
@@ -334,6 +301,10 @@ class PositionalEncoding(nn.Module):
         reference's.
         """
         raise NotImplementedError(f"{self.label} does not supply its own attention")
+
+    def stick_form(self) -> StickForm | None:
+        """How a fused stick-breaking kernel computes ``attend`` (module docstring), or ``None``: no such kernel can."""
+        return None
 
     def set_context_scaling(self, method: str, factor: float, original_length: int) -> bool:
         """Stretch the scheme at evaluation to ``factor`` × ``original_length`` positions (RoPE's PI, NTK, YaRN).

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
-from posenc.encodings.base import PositionalEncoding, ScoreMod
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import ScoreMod
 from posenc.encodings.length import LengthScaled
 from posenc.runtime import full_precision
 

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
-from posenc.encodings.base import DerivativeForm, PositionalEncoding, ScoreMod, distances
+from posenc.encodings.base import PositionalEncoding, distances
+from posenc.encodings.forms import DerivativeForm, ScoreMod
 
 EPS = 1e-2
 

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from posenc.encodings import register
-from posenc.encodings.base import PositionalEncoding, ScoreMod
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import ScoreMod
 
 
 @register

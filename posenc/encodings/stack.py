@@ -10,7 +10,8 @@ import math
 
 from torch import Tensor, nn
 
-from posenc.encodings.base import BiasGradientForm, PositionalEncoding, ScoreMod
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import BiasGradientForm, ScoreMod, StickForm
 
 
 class Stack(PositionalEncoding):
@@ -127,6 +128,10 @@ class Stack(PositionalEncoding):
         self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
     ) -> Tensor:
         return self._supplier().attend(q, k, v, q_pos, k_pos, features)
+
+    def stick_form(self) -> StickForm | None:
+        suppliers = [m for m in self.parts if m.supplies_attention]
+        return suppliers[0].stick_form() if suppliers else None
 
     def score_mod(self, detached: bool = False, num_distances: int | None = None) -> ScoreMod | None:
         mods = [m.score_mod(detached=detached, num_distances=num_distances) for m in self.parts]

@@ -19,31 +19,35 @@ positions, so the scheme is invariant to a shift of all positions and accepts an
 
 Having no softmax, the scheme ``supplies_attention``: ``attention_weights`` is the reference, computed as written
 above in log space, and the ``scheme`` backend runs ``attend`` (neither reads the layer's input: ``features`` are
-ignored). ``attend`` takes blocks of query rows, each over the keys it may see (memory O(Lk) per query row, never
-O(Lq × Lk)), in fp32 with the keys nearest first, as the stick is broken: with s_ij = σ(−z_ij) = 1 − β_ij (1 on
-the keys that do not precede i) and P_ij = Π_{j<k<i} s_ik the stick left when key j breaks it, a cumulative product
-from the nearest key outwards,
+ignored). It also declares its ``stick_form``, so that ``attention=triton`` runs it in a fused kernel
+(``posenc/attention/triton_stick.py``), tested against the reference.
 
-    A_ij = (1 − s_ij) · P_ij,    1 − Σ_j A_ij = Π_{k<i} s_ik.
+``attend`` goes tile by tile, a block of query rows against a block of keys, in fp32, the keys nearest first as the
+stick is broken (memory O(B·H · rows · keys) at once, never O(Lq × Lk)). With s_ij = σ(−z_ij) = 1 − β_ij (1 on the
+keys that do not precede i), a tile's cumulative product of s from its nearest key outwards gives its sticks, and
+the stick left past a tile, ℓ_i = Π over the keys of the nearer tiles (exp of the log-space running sum
+Σ log σ(−z_ik)), is carried to the next and multiplies it:
 
-One sigmoid and one cumulative product per score, where the log form costs a log-sigmoid and an exp (three
-transcendentals against one): about three times faster on a CPU (docs/stick-breaking.md). The product only
-falls, and once it underflows the stick is used up: every later weight is below fp32's smallest number either way.
+    A_ij = ℓ_i · K_i,j−1 · (1 − s_ij) = ℓ_i · (K_i,j−1 − K_ij),    K_ij = Π_{k in the tile, nearer than j or j} s_ik,
 
-Its backward recomputes each block and differentiates it by hand (no autograd graph is kept per block): with
-g_ij = A_ij · (dO_i · v_j), g_i = (1 − Σ_j A_ij) · (dO_i · v_i) the remainder's, and F_ij = g_i + Σ_{j'<j} g_ij'
-(the remainder and the keys farther than j, whose sticks s_ij shortened),
+and what no key took is ℓ_i past the last tile. One sigmoid and one cumulative product per score, where the log form
+costs a log-sigmoid and an exp (three transcendentals against one): faster on a CPU (docs/stick-breaking.md). A product
+only falls; once it underflows the stick is used up, and every later weight is below fp32's smallest number either way.
+
+Its backward recomputes each tile and differentiates it by hand (no autograd graph is kept): with
+g_ij = A_ij · (dO_i · v_j) and F_ij the g of the keys farther than j plus the remainder's, (1 − Σ A) · (dO_i · target),
+which is Δ_i = dO_i · o_i less the g of the keys from the nearest to j (carried from tile to tile, as flash attention
+carries its Δ),
 
     ∂L/∂z_ij = g_ij · s_ij − (1 − s_ij) · F_ij          for j < i,
 
-since ∂s/∂z = −s(1 − s). On CUDA the same blocked path runs: no Triton kernel is provided (docs/stick-breaking.md
-says why).
+since ∂s/∂z = −s(1 − s). On CUDA the same tiles run unless ``attention=triton`` is chosen.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -52,13 +56,24 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import StickForm
 from posenc.runtime import full_precision
 
 # Where what no key took goes: the query's own value (the reference code's tests) or a learned vector per head (the
 # layer the paper's models were trained with).
 REMAINDERS = ("value", "head_bias")
-# Scores per block: 1 MiB fp32 temporaries on a CPU (its cache), far more on a GPU.
-BLOCK_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
+# Scores per tile over every (batch, head) at once, and keys per tile. On a CPU, 2^19 (2 MiB fp32 temporaries) of 256
+# keys ran fastest single-threaded of the sizes tried (docs/stick-breaking.md: 32 heads of a batch at L 2048, 64 rows
+# a tile); on a GPU a tile must be large enough to fill the device (unmeasured: no GPU was at hand, and there the fused
+# kernel of ``attention=triton`` is the fast form).
+TILE_SCORES = {"cpu": (1 << 19, 256), "cuda": (1 << 25, 1024)}
+MIN_ROWS = 16
+
+
+def default_tile(batch_heads: int, device: torch.device) -> tuple[int, int]:
+    """(query rows, keys) per tile for ``batch_heads`` (batch × heads) on this kind of device."""
+    scores, keys = TILE_SCORES["cuda" if device.type == "cuda" else "cpu"]
+    return max(MIN_ROWS, scores // (batch_heads * keys)), keys
 
 
 def _precision(q: Tensor) -> torch.dtype:
@@ -66,51 +81,52 @@ def _precision(q: Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
-def block_rows(batch_heads: int, keys: int, device: torch.device) -> int:
-    """Query rows per block so that one (batch × heads × rows × keys) temporary holds ``BLOCK_ELEMENTS`` scores.
+def _row_blocks(rows: int, q_pos: Tensor, k_pos: Tensor, self_attention: bool) -> list[tuple[int, int, int, int]]:
+    """(first row, end row, keys before its last query, keys before its first query) per block of query rows.
 
-    On a CPU, blocks that fit its cache ran fastest (32-64 rows of 2,048 keys for 4 heads, measured); on a GPU, a
-    block must be large enough to fill the device (unmeasured: no GPU was at hand).
+    A block reads only the keys before its last query; those before its first query precede all of its rows, so
+    only the keys between need a mask. Self-attention knows both counts from the rows; new queries over cached keys
+    look them up (keys come in increasing position order).
     """
-    elements = BLOCK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
-    return max(1, elements // max(1, batch_heads * keys))
-
-
-def _blocks(length: int, rows: int, keys: int, self_attention: bool) -> list[tuple[int, int, slice, int]]:
-    """(first row, end row, keys in nearest-first order, leading keys that may not precede a row) per block.
-
-    With shared positions a block sees keys < end, and only its first ``end - start`` (its own rows' keys) can be
-    at or after one of its queries; over cached keys every key may be.
-    """
+    length = q_pos.shape[0]
+    before = None if self_attention else torch.searchsorted(k_pos, q_pos).tolist()
     blocks = []
     for start in range(0, length, rows):
         end = min(start + rows, length)
-        if self_attention:
-            blocks.append((start, end, slice(keys - end, keys), end - start))
-        else:
-            blocks.append((start, end, slice(None), keys))
+        blocks.append((start, end, *((end - 1, start) if before is None else (before[end - 1], before[start]))))
     return blocks
 
 
-def _block(
-    q_neg: Tensor, k_near: Tensor, q_pos: Tensor, k_pos_near: Tensor, leading: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One block's s = σ(−z) (1 on keys that do not precede the query), sticks A, and remainder (B, H, rows).
+def _tiles(
+    q_neg: Tensor, k_near: Tensor, q_pos: Tensor, pos_near: Tensor, visible: int, unmasked: int, keys: int,
+    left: Tensor,
+) -> Iterator[tuple[slice, Tensor, Tensor, Tensor]]:  # fmt: skip
+    """Per tile of ``keys`` keys, nearest first: (its keys, s, A / the stick left before it, that stick left).
 
-    ``q_neg`` holds the queries times −1/√D, so that q_neg · k = −z. Keys come nearest first, so a cumulative
-    product over them runs from the nearest key outwards.
+    ``q_neg`` (BH, rows, D) holds the block's queries times −1/√D, so that q_neg · k = −z; ``k_near`` (BH, Lk, D)
+    and ``pos_near`` hold the keys nearest first (flipped), of which the block reads the last ``visible``, all but
+    the last ``unmasked`` of them masked where a key does not precede a row. The stick left ``left`` (BH, rows, 1),
+    carried from tile to tile (exp of the log-space running sum, as a product) and updated in place past each,
+    multiplies a tile's A: the caller scales the (BH, rows, D) side of a product by it, not the (BH, rows, keys) tile.
     """
-    rest = torch.matmul(q_neg, k_near.transpose(-1, -2))  # −z (B, H, rows, keys)
-    # Keys at or after the query get −z = +∞, so s = 1: they break nothing off the stick.
-    rest[..., :leading].masked_fill_(k_pos_near[None, :leading] >= q_pos[:, None], float("inf"))
-    rest = rest.sigmoid_()  # s = σ(−z) = 1 − β
-    left = F.pad(rest[..., :-1], (1, 0), value=1.0).cumprod_(-1)  # P_ij: the stick left when key j breaks it
-    remainder = left[..., -1] * rest[..., -1]  # what no key took
-    return rest, left.addcmul_(left, rest, value=-1.0), remainder  # A = P · (1 − s)
+    total = k_near.shape[-2]
+    masked_to = total - unmasked  # the nearest-first index where the keys that precede every row begin
+    for first in range(total - visible, total, keys):
+        last = min(first + keys, total)
+        rest = torch.bmm(q_neg, k_near[:, first:last].transpose(1, 2))  # −z
+        if first < masked_to:  # keys at or after a row's position get −z = +∞, so s = 1: they break nothing
+            width = min(last, masked_to) - first
+            after = pos_near[first : first + width][None, :] >= q_pos[:, None]
+            rest[..., :width].masked_fill_(after, float("inf"))
+        rest = rest.sigmoid_()  # s = σ(−z) = 1 − β
+        kept = torch.cumprod(rest, -1)  # what the tile's keys up to j leave of the stick
+        sticks = F.pad(kept[..., :-1], (1, 0), value=1.0).sub_(kept)  # A_j = kept_{j−1} (1 − s_j) = kept_{j−1} − kept_j
+        yield slice(first, last), rest, sticks, left.clone()
+        left.mul_(kept[..., -1:])
 
 
 class _StickBreakingAttention(torch.autograd.Function):
-    """o = A · v + remainder · v_own, block by block; the backward recomputes each block and differentiates by hand."""
+    """o = A · v + remainder · target, tile by tile; the backward recomputes each tile and differentiates by hand."""
 
     @staticmethod
     def forward(
@@ -120,80 +136,103 @@ class _StickBreakingAttention(torch.autograd.Function):
         v: Tensor,
         q_pos: Tensor | None,
         k_pos: Tensor,
-        rows: int,
         head_bias: Tensor | None,
+        rows: int,
+        keys: int,
     ) -> Tensor:
         # q_pos None: self-attention over k_pos (one tensor passed once, as torch.compile wants its inputs distinct).
         # head_bias None: the remainder goes to the query's own value; else to this (H, D) vector.
-        return _forward(ctx, q, k, v, q_pos, k_pos, rows, head_bias)
+        return _forward(ctx, q, k, v, q_pos, k_pos, head_bias, rows, keys)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         dq, dk, dv, dhead_bias = _backward(ctx, dout)
-        return dq, dk, dv, None, None, None, dhead_bias
+        return dq, dk, dv, None, None, dhead_bias, None, None
 
 
-def _remainder_target(v: Tensor, q_pos: Tensor, k_pos: Tensor, head_bias: Tensor | None, fp: torch.dtype) -> Tensor:
-    """What the stick's remainder multiplies: each query's own value (B, H, Lq, D), or the (H, 1, D) head bias."""
+def _flat(t: Tensor, fp: torch.dtype) -> Tensor:
+    """(B, H, L, D) as (B·H, L, D) in ``fp``: one batch of matrix products per tile for every head."""
+    return t.to(fp).reshape(-1, *t.shape[-2:])
+
+
+def _target(v: Tensor, q_pos: Tensor, k_pos: Tensor, head_bias: Tensor | None, fp: torch.dtype) -> Tensor:
+    """What the remainder multiplies: each query's own value (B·H, Lq, D), or the head's vector (B·H, 1, D)."""
     if head_bias is None:
-        return v.to(fp).index_select(-2, torch.searchsorted(k_pos, q_pos))
-    return head_bias.to(fp)[:, None, :]
+        own = _flat(v, fp)
+        return own if q_pos is k_pos else own.index_select(1, torch.searchsorted(k_pos, q_pos))
+    return head_bias.to(fp).expand(v.shape[0], -1, -1).reshape(-1, 1, v.shape[-1])
+
+
+def _inputs(q: Tensor, k: Tensor, v: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """Queries times −1/√D, keys and values nearest first, their positions (flipped), and 1/√D; fp32 (fp64 for fp64)."""
+    fp, scale = _precision(q), q.shape[-1] ** -0.5
+    return _flat(q, fp) * -scale, _flat(k, fp).flip(1), _flat(v, fp).flip(1), k_pos.flip(0), scale
 
 
 @full_precision
 def _forward(
-    ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_pos: Tensor, rows: int, head_bias: Tensor | None
-) -> Tensor:
+    ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_pos: Tensor, head_bias: Tensor | None,
+    rows: int, keys: int,
+) -> Tensor:  # fmt: skip
     self_attention = q_pos is None
-    q_pos = k_pos if q_pos is None else q_pos
-    scale, fp = q.shape[-1] ** -0.5, _precision(q)
-    k_near, v_near, pos_near = k.to(fp).flip(-2), v.to(fp).flip(-2), k_pos.flip(0)  # nearest key first
-    v_own = _remainder_target(v, q_pos, k_pos, head_bias, fp).expand(*q.shape[:2], q.shape[2], v.shape[-1])
-    q_neg = q.to(fp) * -scale
-    out = []
-    for start, end, keys, leading in _blocks(q.shape[-2], rows, k.shape[-2], self_attention):
-        _, sticks, remainder = _block(q_neg[:, :, start:end], k_near[:, :, keys], q_pos[start:end], pos_near[keys],
-                                      leading)  # fmt: skip
-        block = torch.matmul(sticks, v_near[:, :, keys])
-        out.append(block.addcmul_(remainder[..., None], v_own[:, :, start:end]))
-    ctx.save_for_backward(q, k, v, k_pos, head_bias, *([] if self_attention else [q_pos]))
-    ctx.rows, ctx.self_attention = rows, self_attention
-    return torch.cat(out, dim=-2).to(v.dtype)
+    q_pos = k_pos if self_attention else q_pos
+    q_neg, k_near, v_near, pos_near, _ = _inputs(q, k, v, k_pos)
+    target = _target(v, q_pos, k_pos, head_bias, q_neg.dtype)
+    out = q_neg.new_empty(*q_neg.shape[:-1], v.shape[-1])  # (B·H, Lq, D)
+    for start, end, visible, unmasked in _row_blocks(rows, q_pos, k_pos, self_attention):
+        # Accumulators of their own: an in-place product into a strided view of ``out`` runs head by head.
+        acc, left = (
+            q_neg.new_zeros(q_neg.shape[0], end - start, v.shape[-1]),
+            q_neg.new_ones(q_neg.shape[0], end - start, 1),
+        )
+        for keys_at, _, sticks, before in _tiles(q_neg[:, start:end], k_near, q_pos[start:end], pos_near, visible,
+                                                 unmasked, keys, left):  # fmt: skip
+            acc.addcmul_(before, torch.bmm(sticks, v_near[:, keys_at]))
+        out[:, start:end] = acc.addcmul_(left, target if head_bias is not None else target[:, start:end])
+    ctx.save_for_backward(q, k, v, k_pos, head_bias, out, *([] if self_attention else [q_pos]))
+    ctx.rows, ctx.keys, ctx.self_attention = rows, keys, self_attention
+    return out.view(*q.shape[:-1], v.shape[-1]).to(v.dtype)
 
 
 @full_precision
 def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    q, k, v, k_pos, head_bias, *query_positions = ctx.saved_tensors
+    """By hand, nearest key first: F_ij (what the keys farther than j and the remainder took) from Δ_i = dO_i · o_i.
+
+    Δ_i less the g of the keys up to j, carried from tile to tile, as flash attention carries its Δ.
+    """
+    q, k, v, k_pos, head_bias, out, *query_positions = ctx.saved_tensors
     q_pos = query_positions[0] if query_positions else k_pos
-    scale, fp = q.shape[-1] ** -0.5, _precision(q)
-    k_near, v_near, pos_near = k.to(fp).flip(-2), v.to(fp).flip(-2), k_pos.flip(0)
-    own = torch.searchsorted(k_pos, q_pos)
-    v_own = _remainder_target(v, q_pos, k_pos, head_bias, fp).expand(*dout.shape)
-    dout = dout.to(fp)
-    dq = torch.empty(q.shape, dtype=fp, device=q.device)
+    q_neg, k_near, v_near, pos_near, scale = _inputs(q, k, v, k_pos)
+    dout = _flat(dout, q_neg.dtype)
+    farther_all = (out * dout).sum(-1, keepdim=True).neg_()  # −Δ (B·H, Lq, 1)
+    dq, left_all = torch.empty_like(q_neg), q_neg.new_empty(*q_neg.shape[:-1], 1)
     dk_near, dv_near = torch.zeros_like(k_near), torch.zeros_like(v_near)
-    remainders = torch.empty(dout.shape[:-1], dtype=fp, device=q.device)  # (B, H, Lq)
-    q_fp = q.to(fp)
-    q_neg = q_fp * -scale
-    for start, end, keys, leading in _blocks(q.shape[-2], ctx.rows, k.shape[-2], ctx.self_attention):
-        q_block, dout_block = q_fp[:, :, start:end], dout[:, :, start:end]
-        rest, sticks, remainder = _block(q_neg[:, :, start:end], k_near[:, :, keys], q_pos[start:end],
-                                         pos_near[keys], leading)  # fmt: skip
-        remainders[:, :, start:end] = remainder
-        dv_near[:, :, keys] += torch.matmul(sticks.transpose(-1, -2), dout_block)
-        grad = torch.matmul(dout_block, v_near[:, :, keys].transpose(-1, -2)).mul_(sticks)  # g_ij
-        grad_rest = remainder * (dout_block * v_own[:, :, start:end]).sum(-1)  # g_i
-        # F_ij = g_i + the g of the keys farther than j: the row's total less the keys from the nearest to j.
-        farther = (grad.sum(-1) + grad_rest)[..., None] - grad.cumsum(-1)
-        dscores = grad.add_(farther).mul_(rest).sub_(farther).mul_(scale)  # (g + F) s − F; 0 where s = 1, g = 0
-        dq[:, :, start:end] = torch.matmul(dscores, k_near[:, :, keys])
-        dk_near[:, :, keys] += torch.matmul(dscores.transpose(-1, -2), q_block)
-    dv, dhead_bias = dv_near.flip(-2), None
-    if head_bias is None:  # the remainder took the query's own value
-        dv = dv.index_add_(-2, own, remainders[..., None] * dout)
+    for start, end, visible, unmasked in _row_blocks(ctx.rows, q_pos, k_pos, ctx.self_attention):
+        q_block, dout_block, dq_block = q_neg[:, start:end], dout[:, start:end], torch.zeros_like(q_neg[:, start:end])
+        farther, left = farther_all[:, start:end], q_neg.new_ones(q_neg.shape[0], end - start, 1)
+        for keys_at, rest, sticks, before in _tiles(q_block, k_near, q_pos[start:end], pos_near, visible, unmasked,
+                                                    ctx.keys, left):  # fmt: skip
+            dout_left = dout_block * before  # the stick left before the tile scales its A, so dO's share
+            dv_near[:, keys_at] += torch.bmm(sticks.transpose(1, 2), dout_left)
+            grad = torch.bmm(dout_left, v_near[:, keys_at].transpose(1, 2)).mul_(sticks)  # g_ij = A_ij (dO_i · v_j)
+            grad[..., :1] += farther  # so that its cumulative sum is −F_ij: the g up to j, nearest first, less Δ_i
+            farther_tile = grad.cumsum(-1)
+            # ∂L/∂z = g s − (1 − s) F, a lerp from −F to g by s (less the carry added to the first g); 0 where s = 1
+            dscores = torch.lerp(farther_tile, grad, rest)
+            dscores[..., :1] -= rest[..., :1] * farther
+            farther = farther_tile[..., -1:]
+            dq_block.baddbmm_(dscores, k_near[:, keys_at])
+            dk_near[:, keys_at] += torch.bmm(dscores.transpose(1, 2), q_block)
+        dq[:, start:end], left_all[:, start:end] = dq_block, left
+    dv, dhead_bias, taken = dv_near.flip(1), None, left_all * dout  # the remainder's share of dO
+    if head_bias is not None:
+        dhead_bias = taken.view(*v.shape[:2], -1, v.shape[-1]).sum((0, 2)).to(head_bias.dtype)  # (H, D)
+    elif ctx.self_attention:  # the remainder took the query's own value
+        dv += taken
     else:
-        dhead_bias = (remainders[..., None] * dout).sum((0, 2)).to(head_bias.dtype)  # (H, D)
-    return dq.to(q.dtype), dk_near.flip(-2).to(k.dtype), dv.to(v.dtype), dhead_bias
+        dv.index_add_(1, torch.searchsorted(k_pos, q_pos), taken)
+    grads = dq.mul_(scale), dk_near.flip(1).neg_(), dv  # dk: Σ dz (−q_neg)
+    return (*(g.view(t.shape).to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True)), dhead_bias)
 
 
 def stick_breaking_attention(
@@ -202,18 +241,17 @@ def stick_breaking_attention(
     v: Tensor,
     q_pos: Tensor,
     k_pos: Tensor,
-    rows: int | None = None,
     head_bias: Tensor | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> Tensor:
-    """Stick-breaking attention (B, H, Lq, D) of q (B, H, Lq, D) over k, v (B, H, Lk, D), ``rows`` queries a block.
+    """Stick-breaking attention (B, H, Lq, D) of q (B, H, Lq, D) over k, v (B, H, Lk, D), tile by tile.
 
     Keys come in increasing position order and include each query's own position (self-attention, or new queries
-    over every cached key). ``rows`` defaults to a block of ``BLOCK_ELEMENTS`` scores for the device. The remainder
-    goes to each query's own value, or to ``head_bias`` (H, D) when given.
+    over every cached key). The remainder goes to each query's own value, or to ``head_bias`` (H, D) when given.
+    ``tile`` is (query rows, keys) per tile, ``default_tile`` by default.
     """
-    batch, heads, _, _ = q.shape
-    rows = rows or block_rows(batch * heads, k.shape[-2], q.device)
-    return _StickBreakingAttention.apply(q, k, v, None if q_pos is k_pos else q_pos, k_pos, rows, head_bias)
+    rows, keys = tile or default_tile(q.shape[0] * q.shape[1], q.device)
+    return _StickBreakingAttention.apply(q, k, v, None if q_pos is k_pos else q_pos, k_pos, head_bias, rows, keys)
 
 
 @register
@@ -289,6 +327,9 @@ class StickBreaking(PositionalEncoding):
         self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, features: Tensor | None = None
     ) -> Tensor:
         return self._finish(stick_breaking_attention(q, k, v, q_pos, k_pos, head_bias=self.head_bias))
+
+    def stick_form(self) -> StickForm:
+        return StickForm(head_bias=self.head_bias, finish=self._finish)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, remainder={self.remainder}, head_norm={self.head_norm}"

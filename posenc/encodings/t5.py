@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from posenc.encodings import register
-from posenc.encodings.base import PositionalEncoding, ScoreMod, TableForm
+from posenc.encodings.base import PositionalEncoding
+from posenc.encodings.forms import ScoreMod, TableForm
 from posenc.encodings.length import LengthScaled
 
 

@@ -11,8 +11,10 @@ The leases run in order, each building on the last:
 1. where a learnable bias's attention step goes (the fused kernel's values checked first, then each piece timed
    against SDPA flash), and the whole-model train step of every scheme: the figures the speed targets are read from;
 2. the proof: every config trains in bf16, compiled, and evaluates (its last full run predates the table kernels);
-3. the attention table at L 8,192, every scheme and backend;
-4. onwards: a paper-scale row beside the ALiBi paper's Table 2, one scheme a lease (``REPRO_SCHEMES``).
+3. stick-breaking's fused kernels (``attention=triton``) beside its blocked form and SDPA flash at L 2k to 16k: the
+   scheme the comparison crowns, whether ``auto`` may choose them (``MEASURED_FASTER``);
+4. the attention table at L 8,192, every scheme and backend;
+5. onwards: a paper-scale row beside the ALiBi paper's Table 2, one scheme a lease (``REPRO_SCHEMES``).
 
 ``python -m posenc.gpusession --lease N --dry-run`` prints a lease with its budgets; ``--rehearse`` runs it on CPU.
 """
@@ -30,7 +32,7 @@ LEASE_S = 900.0  # a lent GPU in all, its start included
 MACHINE_START_S = 180.0  # the slowest start seen (one to three minutes)
 RETURN_S = 120.0  # the files read back, and the idle wait before the machine goes back
 COMMANDS_S = LEASE_S - MACHINE_START_S - RETURN_S  # what one lease's command may take: 600 s
-REPRO_SCHEMES = ("alibi", "rope", "t5", "kerple_log")  # the paper-scale rows, one a lease from lease 4
+REPRO_SCHEMES = ("alibi", "rope", "t5", "kerple_log")  # the paper-scale rows, one a lease from lease 5
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,9 @@ class Part:
 LEASES: dict[int, tuple[Part, ...]] = {
     1: (Part("speed", 360.0, part="bias"), Part("speed", 200.0, part="train-step")),
     2: (Part("proof", 570.0),),
-    3: (Part("speed", 570.0, length=8192),),
-    **{4 + index: (Part("repro", 570.0, scheme=scheme),) for index, scheme in enumerate(REPRO_SCHEMES)},
+    3: (Part("speed", 300.0, part="kernels"),),
+    4: (Part("speed", 570.0, length=8192),),
+    **{5 + index: (Part("repro", 570.0, scheme=scheme),) for index, scheme in enumerate(REPRO_SCHEMES)},
 }
 
 

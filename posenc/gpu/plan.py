@@ -6,7 +6,8 @@ Each stage fits one command on a lent GPU (ten minutes at most, ``--deadline`` 5
   ``attention=triton`` run (``posenc.gpucheck``), beside the GPU tests named by path (``tests/test_gpu.py``);
 - ``speed``: the attention table at one length (``--length``, 8,192 first), or (``--part train-step``) the
   whole-model train step, or (``--part bias``) the decomposition of a learnable bias's attention step against SDPA
-  flash at one shape (``posenc/bench/bias.py``), each alone on the machine;
+  flash at one shape (``posenc/bench/bias.py``), or (``--part kernels``) stick-breaking's fused kernels
+  (``attention=triton``) beside its blocked form and SDPA flash at L 2k to 16k, each alone on the machine;
 - ``repro``: one paper-scale scheme (``--scheme``) at L 512, trained until the time the evaluation needs is all
   that is left, a checkpoint only at the end.
 
@@ -67,7 +68,7 @@ class Options:
     work: Path
     deadline_s: float = 540.0
     length: int = 8192
-    part: str = "attention"  # speed: the attention table at ``length``, the whole-model train step, or the bias
+    part: str = "attention"  # speed: the attention table at ``length``, the train step, the bias, or the kernels
     scheme: str = "alibi"
     configs: tuple[str, ...] = ()  # the proof's configs (default: every one)
     rehearse: bool = False
@@ -142,7 +143,8 @@ def bench_graphs(length: int | None, train_step: bool) -> tuple[int, float, list
     A FlexAttention graph is one per distinct score_mod, forward and training apart: NoPE, RoPE and xPos share the
     graph without a score_mod (their rotation runs before it), so it is counted once with the references.
     ``flex_learnable`` adds, per learnable scheme, its training graph and the gradient forms' forward. ``auto``
-    reuses the measurement of the backend it picks and compiles nothing more.
+    reuses the measurement of the backend it picks and compiles nothing more; for a scheme that supplies its own
+    attention that is ``scheme``, a case of its own.
     """
     from omegaconf import OmegaConf
 
@@ -163,7 +165,8 @@ def bench_graphs(length: int | None, train_step: bool) -> tuple[int, float, list
         # Timed: sdpa and flex for every scheme, flex_learnable where the bias learns (elsewhere it is flex), and
         # the four unbiased references; auto is the backend it picks, measured once.
         timed = [b for b in backends if b in ("sdpa", "flex")]
-        cases = len(schemes) * len(timed) + (len(learnable) if "flex_learnable" in backends else 0) + 4
+        own = len([s for s in schemes if s.supplies_attention]) if "auto" in backends else 0
+        cases = len(schemes) * len(timed) + (len(learnable) if "flex_learnable" in backends else 0) + 4 + own
         seconds += cases * CASE_S + (len(learnable) * (ATOMIC_CASE_S - CASE_S) if "flex" in backends else 0)
     if train_step:
         step_schemes = list(bench.train_step.schemes)
@@ -193,6 +196,32 @@ def bias_graphs() -> tuple[int, float]:
     return BIAS_GRAPHS, timing + BIAS_TRITON_COMPILES * TRITON_COMPILE_S
 
 
+# The kernels part: every scheme with a fused kernel of its own attention (a ``stick_form``) through ``triton`` and
+# through ``auto`` (its blocked form), beside the unbiased references, at each length.
+KERNEL_LENGTHS = (2048, 8192, 16384)
+KERNEL_BACKENDS = ("triton", "auto")
+KERNEL_COMPILES = 2  # stick-breaking's forward and backward (every length is divisible by 16: one specialisation)
+REFERENCES = 5  # sdpa, sdpa:flash, sdpa:cudnn, sdpa:efficient, and flex without a score_mod (CUDA)
+
+
+def kernel_schemes() -> list[str]:
+    """The registry's schemes that declare a fused kernel for their own attention (``stick_form``)."""
+    from posenc.encodings import available
+    from posenc.encodings import build as build_scheme
+
+    return [name for name in available() if build_scheme(name, num_heads=2, head_dim=8).stick_form() is not None]
+
+
+def kernel_graphs(schemes: list[str]) -> tuple[int, float]:
+    """(compiled graphs, seconds of timing and of Triton's compiles) of the kernels part.
+
+    FlexAttention's reference without a score_mod compiles per length, forward and training apart; each length times
+    the references and every scheme through ``KERNEL_BACKENDS``.
+    """
+    cases = len(KERNEL_LENGTHS) * (REFERENCES + len(schemes) * len(KERNEL_BACKENDS))
+    return 2 * len(KERNEL_LENGTHS), cases * CASE_S + KERNEL_COMPILES * TRITON_COMPILE_S
+
+
 def profiled(schemes: list[str]) -> str:
     """The bench override that profiles each timed train step (what a slow one spends its time on)."""
     return "train_step.profile_schemes=[" + ",".join(dict.fromkeys(["nope", *schemes])) + "]"
@@ -218,6 +247,14 @@ def _speed(options: Options) -> list[Step]:
             argv += ["bias.batch=1", "bias.heads=2", "bias.length=32", "bias.head_dim=16", "bias.profile_steps=1"]
             argv += ["bias.check_head_dims=[16]", "bias.check_batch=1"]
         name = "bench-bias"
+    elif options.part == "kernels":
+        schemes = kernel_schemes()
+        graphs, timing = kernel_graphs(schemes)
+        lengths = "[32]" if options.rehearse else "[" + ",".join(map(str, KERNEL_LENGTHS)) + "]"
+        argv = [*bench, f"attention.lengths={lengths}", f"attention.schemes=[{','.join(schemes)}]"]
+        argv += [f"attention.backends=[{','.join(KERNEL_BACKENDS)}]", "train_step.schemes=[]"]
+        argv += [f"hydra.run.dir={work / 'kernels'}"]
+        name = "bench-kernels"
     elif options.part == "train-step":
         graphs, timing, schemes = bench_graphs(None, True)
         argv = [*bench, "attention.lengths=[]", profiled(schemes), f"hydra.run.dir={work / 'train-step'}"]

@@ -153,9 +153,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=8192, help="speed: the attention table's length (8192 first)")
     parser.add_argument(
         "--part",
-        choices=("attention", "train-step", "bias"),
+        choices=("attention", "train-step", "bias", "kernels"),
         default="attention",
-        help="speed: the attention table, the train step, or the bias decomposition (attention)",
+        help="speed: the attention table, the train step, the bias decomposition, or the fused kernels (attention)",
     )
     parser.add_argument("--scheme", default="alibi", help="repro: the paper-scale scheme of this command")
     parser.add_argument("--configs", default="", help="proof: comma-separated configs (default: every one)")

@@ -2,13 +2,13 @@
 
     python -m posenc.lane                          # every case on the H100, A100 and L4; a table per device
     python -m posenc.lane --gpu l4 --scheme t5     # a subset
-    python -m posenc.lane --only table             # just attention=triton's table kernels (a minute or two)
+    python -m posenc.lane --only table             # just attention=triton's kernels (a minute or two)
     python -m posenc.lane --markdown docs/gpu-kernels.md   # write the table the docs show
     python -m posenc.lane --json                   # one JSON row per stage (what the tests read)
     python -m posenc.lane --torch-defaults --gpu h100 --scheme t5   # what torch's own tile choices would do
 
 The cases (``posenc.lane.cases``) are FlexAttention's (compiled by ``posenc.lane.flex``) and ``attention=triton``'s
-table kernels (``posenc.lane.table``).
+kernels, the table's and stick-breaking's (``posenc.lane.table``).
 Each GPU's cases run in processes of their own (the fake device is process-wide), ``--jobs`` at once. Exit status 1
 when a stage that must compile did not, or compiled over its device's shared memory, or a table kernel spills
 registers; 0 otherwise. Needs the pinned
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON row per stage")
     parser.add_argument("--no-registers", action="store_true", help="no ptxas report for FlexAttention's kernels")
     parser.add_argument("--torch-defaults", action="store_true", help="torch's kernel options instead of posenc's")
-    parser.add_argument("--only", choices=["flex", "table"], help="FlexAttention's kernels, or the table kernels")
+    parser.add_argument("--only", choices=["flex", "table"], help="FlexAttention's kernels, or attention=triton's")
     parser.add_argument("--markdown", help="write the table to this file")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="GPUs compiled for at once")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one GPU, in this process

@@ -1,15 +1,17 @@
-"""The ``triton`` backend's table kernels compiled for each GPU of the lane, with the tiles the backend launches there.
+"""The ``triton`` backend's kernels compiled for each GPU of the lane, with the tiles the backend launches there.
 
-The kernels do not depend on the scheme: every distance-only bias, learnable or not, reaches them as one (H, L) table,
-so one compile per (GPU, kernel, dtype, head dim, length class) covers KERPLE, T5, ALiBi, Sandwich and their stacks
-alike. Each kernel is compiled as the backend's launch on that GPU compiles it: the launch is built by the backend's
-own ``triton_launch`` (tiles, warps and stages for that GPU class, the arguments Triton specialises on) and compiled
-through Triton's ``warmup`` for the GPU's target; ptxas (the one in Triton's wheel) reports its registers and spilled
-bytes. Compiled instead from a bare signature (no alignment or divisibility, ``scale`` typed fp64), the kernels
-needed up to 1.8 times less shared memory than the launch's and showed no spill where the launch's spill. A row is
-a finding when the kernel does not
-compile, needs more shared memory than the device has, or spills (``failures``). Triton must not be in interpreter
-mode in this process: ``python -m posenc.lane`` runs it in workers of its own.
+The table kernels do not depend on the scheme: every distance-only bias, learnable or not, reaches them as one (H, L)
+table, so one compile per (GPU, kernel, dtype, head dim, length class) covers KERPLE, T5, ALiBi, Sandwich and their
+stacks alike. Stick-breaking's kernels serve every scheme that declares a ``stick_form``: the forward is compiled
+with the remainder on the head's vector (``stick_forward``, the trained form) and on the query's own value
+(``stick_forward_own_value``), the backward once (it never reads the target). Each kernel is compiled as the
+backend's launch on that GPU compiles it: the launch is built by the backend's own ``triton_launch`` (tiles, warps
+and stages for that GPU class, the arguments Triton specialises on) and compiled through Triton's ``warmup`` for the
+GPU's target; ptxas (the one in Triton's wheel) reports its registers and spilled bytes. Compiled instead from a
+bare signature (no alignment or divisibility, ``scale`` typed fp64), the table kernels needed up to 1.8 times less
+shared memory than the launch's and showed no spill where the launch's spill. A row is a finding when the kernel does
+not compile, needs more shared memory than the device has, or spills (``failures``). Triton must not be in
+interpreter mode in this process: ``python -m posenc.lane`` runs it in workers of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from posenc.attention.triton_launch import (
     Launch,
     backward_launches,
     forward_launch,
+    kernels,
+    stick_backward_launch,
+    stick_forward_launch,
     table_gradient_buffer,
 )
 from posenc.lane.fake import installed
@@ -39,11 +44,14 @@ HEAD_DIMS = (64, 128)
 LENGTHS = (2048, 2047)
 DIVISIBLE = ["tt.divisibility", 16]  # how Triton marks an argument it specialised as divisible by 16
 HEADS = 12
+# Stick-breaking's kernels as the lane names them: the forward once per target of the remainder.
+LANE_STICK_KERNELS = ("stick_forward", "stick_forward_own_value", "stick_backward")
 
 
 def units(dtypes: list[str] | None = None, head_dims: list[int] | None = None) -> list[tuple[str, str, int, int]]:
-    """Every (kernel, dtype, head dim, length) the lane compiles for each GPU."""
-    return list(itertools.product(KERNELS, dtypes or list(DTYPES), head_dims or list(HEAD_DIMS), LENGTHS))
+    """Every (kernel, dtype, head dim, length) the lane compiles for each GPU: the table kernels', then the stick's."""
+    every = (KERNELS + LANE_STICK_KERNELS, dtypes or list(DTYPES), head_dims or list(HEAD_DIMS), LENGTHS)
+    return list(itertools.product(*every))
 
 
 def launch(kernel: str, dtype: str, head_dim: int, length: int, gpu: GPU) -> Launch:
@@ -61,6 +69,8 @@ def launch(kernel: str, dtype: str, head_dim: int, length: int, gpu: GPU) -> Lau
 
     q, k, v, out, dout, dq, dk, dv = (tensor(*shape) for _ in range(8))
     lse, delta, table = tensor(*shape[:-1], fp32=True), tensor(*shape[:-1], fp32=True), tensor(HEADS, length, fp32=True)
+    if kernel in LANE_STICK_KERNELS:
+        return stick_launch(kernel, q, k, v, dout, capability)
     if kernel == "forward":
         return forward_launch(q, k, v, out, lse, table, capability)
     deterministic = kernel == "backward_dq_deterministic"
@@ -68,6 +78,26 @@ def launch(kernel: str, dtype: str, head_dim: int, length: int, gpu: GPU) -> Lau
     tensors["dtable"] = table_gradient_buffer(q, deterministic, True, capability)
     dq_launch, dkdv_launch = backward_launches(tensors, table, True, deterministic, capability)
     return dkdv_launch if kernel == "backward_dkdv" else dq_launch
+
+
+def planned_kernel(kernel: str) -> str:
+    """The backend's name of a kernel the lane names (``triton_launch.KERNEL_FUNCTIONS``'s keys)."""
+    return "stick_forward" if kernel == "stick_forward_own_value" else kernel
+
+
+def stick_launch(
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, capability: tuple[int, int]
+) -> Launch:
+    """Stick-breaking's launch: the forward's remainder on the head's vector, or (``_own_value``) the query's value."""
+    if kernel.startswith("stick_forward"):
+        own_value = kernel.endswith("own_value")
+        head_bias = None if own_value else torch.empty(q.shape[1], q.shape[-1], dtype=q.dtype, device="meta")
+        return stick_forward_launch(q, k, v, head_bias, torch.empty_like(q), capability)
+    fp32 = {"dtype": torch.float32, "device": "meta"}
+    tensors = {"q": q, "k": k, "v": v, "dout": dout, "dq": torch.empty_like(q)}
+    tensors.update({"delta": torch.empty(q.shape[:-1], **fp32), "remainder": torch.empty(q.shape[:-1], **fp32)})
+    tensors.update({"dk": torch.empty(q.shape, **fp32), "dv": torch.empty(q.shape, **fp32)})
+    return stick_backward_launch(tensors, capability)
 
 
 def compile_kernel(
@@ -85,7 +115,7 @@ def compile_kernel(
         return {**row, "refused": str(refusal)}
     if installed() != gpu:
         raise RuntimeError(f"this process pretends to be {installed().key}, not {gpu.key}")
-    module = triton_table.kernels()
+    module = kernels(planned_kernel(kernel))
     if module.INTERPRETED:
         raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1: compile them with the variable unset")
     started = time.perf_counter()
@@ -137,12 +167,14 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The docs' section on the table kernels: one line per (GPU, kernel, dtype, head dim, length)."""
     lines = [
         "",
-        "## The table kernels of `attention=triton`, per GPU",
+        "## The kernels of `attention=triton`, per GPU",
         "",
-        "One compile per kernel covers every distance-only bias (the kernels read the scheme's (H, L) table, never",
-        "its formula). Each is compiled as its launch compiles it (`triton_launch`: that GPU class's tiles, warps",
-        "and stages; twelve heads; a length divisible by 16 and one that is not, on which Triton specialises);",
+        "One compile per table kernel covers every distance-only bias (the kernels read the scheme's (H, L) table,",
+        "never its formula). Each is compiled as its launch compiles it (`triton_launch`: that GPU class's tiles,",
+        "warps and stages; twelve heads; a length divisible by 16 and one that is not, on which Triton specialises);",
         "`backward_dq_deterministic` is the table gradient without atomics (`torch.use_deterministic_algorithms`).",
+        "The `stick_` kernels are stick-breaking's (a scheme's `stick_form`), its forward with the remainder on the",
+        "head's vector and (`_own_value`) on the query's own value.",
         "",
         "| GPU | kernel | dtype | head dim | length | tiles (M × N) | warps | stages | shared memory (B) | registers "
         "| spilled (B) |",

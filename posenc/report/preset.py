@@ -153,20 +153,29 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
         out += ["", unsettled_line(unsettled)]
     for title, (train_len, kind) in tables.items():
         mine = [(index, test) for index, test in enumerate(tests) if test[0] == title]
-        for reference in dict.fromkeys(test[2] for _, test in mine):
-            columns = list(dict.fromkeys(test[1] for _, test in mine if test[2] == reference))
-            lengths = sorted({test[3] for _, test in mine if test[2] == reference})
-            what = "perplexity ratio to" if kind == "ppl" else "accuracy minus that of"
-            named = [f"{column}{UNSETTLED if column in unsettled else ''}" for column in columns]
-            out += ["", f"{title}: {what} {reference}", "", "| length | ×L | " + " | ".join(named) + " |"]
-            out.append("|---:|---:|" + "---:|" * len(columns))
-            for length in lengths:
-                cells = []
-                for column in columns:
-                    here = [(i, t) for i, t in mine if t[1] == column and t[2] == reference and t[3] == length]
-                    cells.append(_cell(here[0][1][4], differs[str(here[0][0])], found[str(here[0][0])], kind)
-                                 if here else "—")  # fmt: skip
-                out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
+        out += _table(title, train_len, kind, mine, {str(i): (differs[str(i)], found[str(i)]) for i, _ in mine},
+                      unsettled)  # fmt: skip
+    return out
+
+
+def _table(
+    title: str, train_len: int, kind: str, mine: list[tuple[int, tuple]], words: dict[str, tuple], unsettled: dict
+) -> list[str]:
+    """One table's tests, a block per reference: rows lengths, columns the compared columns."""
+    out: list[str] = []
+    for reference in dict.fromkeys(test[2] for _, test in mine):
+        columns = list(dict.fromkeys(test[1] for _, test in mine if test[2] == reference))
+        lengths = sorted({test[3] for _, test in mine if test[2] == reference})
+        what = "perplexity ratio to" if kind == "ppl" else "accuracy minus that of"
+        named = [f"{column}{UNSETTLED if column in unsettled else ''}" for column in columns]
+        out += ["", f"{title}: {what} {reference}", "", "| length | ×L | " + " | ".join(named) + " |"]
+        out.append("|---:|---:|" + "---:|" * len(columns))
+        for length in lengths:
+            cells = []
+            for column in columns:
+                here = [(i, t) for i, t in mine if t[1] == column and t[2] == reference and t[3] == length]
+                cells.append(_cell(here[0][1][4], *words[str(here[0][0])], kind) if here else "—")
+            out.append(f"| {length} | {length / train_len:g} | " + " | ".join(cells) + " |")
     return out
 
 

@@ -84,7 +84,8 @@ def sensitivity_tables(results: list[dict[str, Any]], appendix: Any = None) -> s
                 cells = [
                     scheme, _setting(runs, keys), str(len(runs)),
                     claims.shown(claims.log_perplexity(runs, train_len)), claims.shown(ratios[label], 3),
-                    _word(flat.get(label)), claims.shown(versus.get(label), 3), _word(against.get(label)),
+                    _word(flat.get(label), ratios[label], "1"), claims.shown(versus.get(label), 3),
+                    _word(against.get(label), versus.get(label), REFERENCE),
                 ]  # fmt: skip
                 out.append("| " + " | ".join(cells) + " |")
             verdicts.append(_survives(scheme, found, flat, against, ratios, versus))
@@ -93,10 +94,14 @@ def sensitivity_tables(results: list[dict[str, Any]], appendix: Any = None) -> s
     return "\n".join(out).rstrip()
 
 
-def _word(found: tuple[str, ...] | None) -> str:
+def _word(found: tuple[str, ...] | None, estimate: Any = None, against: str = "") -> str:
+    """The words, with the side of a separated figure (``separated, above 1``); an equivalent ratio is "flat"."""
     if not found:
         return "—"
-    return "flat" if claims.EQUIVALENT in found else ", ".join(found)
+    if claims.EQUIVALENT in found:
+        return "flat" if against == "1" else "equivalent"
+    side = f", {_direction(estimate)} {against}" if claims.SEPARATED in found and estimate is not None else ""
+    return ", ".join(found) + side
 
 
 def _direction(estimate: Any) -> str:
@@ -106,22 +111,19 @@ def _direction(estimate: Any) -> str:
 def _survives(scheme: str, labels: list[str], flat: dict, against: dict, ratios: dict, versus: dict) -> str:
     """One line: which of the scheme's words hold at every setting, and which move with it."""
     parts = []
-    ratio_words = {_word(flat.get(label)) for label in labels}
+    ratio_words = {_word(flat.get(label), ratios[label], "1") for label in labels}
     if len(ratio_words) == 1:
         parts.append(f"its ratio is {ratio_words.pop()} at every setting")
     else:
         parts.append("its ratio's word moves with its setting (" + "; ".join(
-            f"{label}: {_word(flat.get(label))}" for label in labels) + ")")  # fmt: skip
+            f"{label}: {_word(flat.get(label), ratios[label], '1')}" for label in labels) + ")")  # fmt: skip
     if versus:
-        against_words = {
-            (_word(against.get(label)), _direction(versus[label]) if versus.get(label) else "") for label in labels
-        }
+        against_words = {_word(against.get(label), versus.get(label), REFERENCE) for label in labels}
         if len(against_words) == 1:
-            word, side = against_words.pop()
-            parts.append(f"against {REFERENCE} it is {word}" + (f" ({side})" if word == claims.SEPARATED else "")
-                         + " at every setting")  # fmt: skip
+            parts.append(f"against {REFERENCE} it is {against_words.pop()} at every setting")
         else:
-            parts.append(f"against {REFERENCE} its word moves with its setting")
+            moved = [f"{label}: {_word(against.get(label), versus.get(label), REFERENCE)}" for label in labels]
+            parts.append(f"against {REFERENCE} its word moves with its setting (" + "; ".join(moved) + ")")
     return f"- **{scheme}**: " + "; ".join(parts) + "."
 
 

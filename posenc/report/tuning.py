@@ -7,10 +7,17 @@ scheme has parameters), evaluated on the **validation** split at the training le
 setting per scheme by the rule below and writes it (``selection.json``); a study's runs then take their scheme's
 setting from that file (``optim.tuned``, ``posenc.runs.apply_tuning``) and report on the **test** split.
 
-The rule, fixed before any tuning run: the grid point with the lowest in-length validation loss (mean over its
-seeds); points within ``TIE`` nats of the lowest count as tied, and a tie goes to the smaller scheme multiplier,
-then the smaller learning rate (the cheaper, more conservative setting). Selecting on in-length loss keeps the
-question a study asks, how the scheme extrapolates, out of the choice.
+The rule: the grid point with the lowest in-length validation loss (mean over its seeds); a point whose mean is within
+the tie band of the lowest counts as tied, and a tie goes to the smaller scheme multiplier, then the smaller learning
+rate (the cheaper, more conservative setting). Selecting on in-length loss keeps the question a study asks, how the
+scheme extrapolates, out of the choice. The tie band is what the seeds cannot tell apart: 1.96 σ √(1/n_a + 1/n_b) for
+two points of n_a and n_b seeds, σ the seed-to-seed standard deviation of in-length loss pooled over the grid points
+that have several seeds (a fixed width measured nothing). Where no point has two seeds yet, σ is the one measured over
+a study's five seeds (``SEED_SPREAD``: the comparison's for text, the tuned recall study's for a task), and the table
+says so. A choice resolves when every tied point has
+``TIED_SEEDS`` seeds; until then the section lists the runs that would resolve it, and it shows each tied point's
+longest-length ratio wherever its runs were evaluated there, so that a reader sees whether the choice decides a
+verdict.
 
 A text run's in-length validation loss is its evaluation at 1× on the validation split. A task run (recall, trained
 on one generator) has no split of documents: its validation set is the held-out windows of the training format that
@@ -38,10 +45,17 @@ TASK_NOTE = (
     "(the validation set training scores, another seed stream than the evaluation windows): a perplexity near 1 is "
     "a lookup learned."
 )
-TIE = 0.002  # nats: below a tenth of the seed-to-seed spread of in-length loss at the tiny size (scheme-lr.md)
+# nats: the seed-to-seed standard deviation of the selection's loss, used only where a grid has no point of several
+# seeds: for text, in-length loss pooled over the comparison's eight schemes × 5 seeds (docs/results/comparison.md,
+# test split at 1×); for a task, the final validation loss pooled over the tuned recall study's schemes that learned
+# it, 5 seeds each (docs/results/recall-offset-tuned.md: ALiBi, FIRE, KERPLE-log, T5).
+SEED_SPREAD = {"text": 0.0049, "task": 0.0102}
+TIED_SEEDS = 3  # seeds every tied point needs before a choice among them counts as resolved
+Z_95 = 1.96
 RULE = (
-    "lowest in-length (1×) validation loss, mean over the tuning seeds; points within "
-    f"{TIE:g} nats of it are tied, and a tie goes to the smaller scheme multiplier, then the smaller learning rate"
+    "lowest in-length (1×) validation loss, mean over the tuning seeds; points within the tie band of it are tied "
+    "(1.96 σ √(1/n_a + 1/n_b), σ the seed-to-seed spread of in-length loss), and a tie goes to the smaller scheme "
+    "multiplier, then the smaller learning rate"
 )
 
 
@@ -86,13 +100,40 @@ def grid(results: Sequence[dict[str, Any]]) -> dict[str, dict[tuple[float, float
     return {label: dict(by_setting) for label, by_setting in points.items()}
 
 
+def seed_spread(results: Sequence[dict[str, Any]]) -> tuple[float, int, str]:
+    """(σ, its degrees of freedom, where it comes from).
+
+    Pooled over the grid points with several seeds, else the spread measured over a study's seeds (``SEED_SPREAD``).
+    """
+    squares, free = 0.0, 0
+    for by_setting in grid(results).values():
+        for losses in by_setting.values():
+            if len(losses) > 1:
+                squares += statistics.variance(losses) * (len(losses) - 1)
+                free += len(losses) - 1
+    if free:
+        return math.sqrt(squares / free), free, f"pooled over this grid's points of several seeds ({free} df)"
+    if any(run.get("trained_task") for run in results):
+        return SEED_SPREAD["task"], 0, "measured over the tuned recall study's five seeds (no point here has several)"
+    return SEED_SPREAD["text"], 0, "measured over the comparison's five seeds (no point of this grid has several)"
+
+
+def band(spread: float, seeds_a: int, seeds_b: int) -> float:
+    """The tie band of two points: what their seeds cannot tell apart at 95%."""
+    return Z_95 * spread * math.sqrt(1 / seeds_a + 1 / seeds_b)
+
+
 def select(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """{scheme label: the chosen setting, its loss, the runner-up's margin and the grid} by ``RULE``."""
+    """{scheme label: the chosen setting, its loss, the runner-up's margin, the tied points, the grid} by ``RULE``."""
+    spread, _, _ = seed_spread(results)
     chosen = {}
     for label, by_setting in sorted(grid(results).items()):
         means = {setting: statistics.fmean(losses) for setting, losses in by_setting.items()}
-        best = min(means.values())
-        tied = [setting for setting, loss in means.items() if loss <= best + TIE]
+        lowest = min(means, key=means.__getitem__)
+        tied = [
+            setting for setting, loss in means.items()
+            if loss <= means[lowest] + band(spread, len(by_setting[setting]), len(by_setting[lowest]))
+        ]  # fmt: skip
         lr, multiplier = min(tied, key=lambda setting: (setting[1], setting[0]))
         others = sorted(loss for setting, loss in means.items() if setting != (lr, multiplier))
         chosen[label] = {
@@ -101,6 +142,8 @@ def select(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "loss": means[(lr, multiplier)],
             "margin_to_next": (others[0] - means[(lr, multiplier)]) if others else None,
             "seeds": len(by_setting[(lr, multiplier)]),
+            "tied": [{"lr": t[0], "scheme_lr_multiplier": t[1], "seeds": len(by_setting[t])} for t in sorted(tied)],
+            "resolved": all(len(by_setting[t]) >= TIED_SEEDS for t in tied) or len(tied) == 1,
             "grid": [
                 {"lr": s[0], "scheme_lr_multiplier": s[1], "loss": means[s], "seeds": len(by_setting[s])}
                 for s in sorted(means)
@@ -121,23 +164,29 @@ def tuning_section(results: Sequence[dict[str, Any]]) -> list[str]:
     selection = select(results)
     if not selection:
         return ["", "## Tuning", "", "No run was evaluated at its training length on the validation split."]
+    spread, _, source = seed_spread(results)
     lines = [
         "",
         "## Tuning: one grid for every scheme, selected on validation",
         "",
-        f"Selection rule (fixed before the runs): {RULE}. Cells: in-length validation perplexity (mean over seeds, n "
-        "beside a cell of more than one); ◆ the selected point. A scheme without parameters has one multiplier."
-        + (TASK_NOTE if any(run.get("trained_task") for run in results) else ""),
+        f"Selection rule: {RULE}. σ = {spread:.4f} nats, {source}: two points of one seed each tie within "
+        f"{band(spread, 1, 1):.4f} nats, of {TIED_SEEDS} seeds each within {band(spread, TIED_SEEDS, TIED_SEEDS):.4f}. "
+        f"A choice is resolved when every tied point has {TIED_SEEDS} seeds. Cells: in-length validation perplexity "
+        "(mean over seeds, n beside a cell of more than one); ◆ the selected point. A scheme without parameters has "
+        "one multiplier." + (TASK_NOTE if any(run.get("trained_task") for run in results) else ""),
         "",
-        "| scheme | selected lr | selected multiplier | in-length val. ppl | margin to the next point (nats) |",
-        "|---|---:|---:|---:|---:|",
+        "| scheme | selected lr | selected multiplier | in-length val. ppl | margin to the next point (nats) "
+        "| tied points (seeds) | resolved |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
     for label, chosen in selection.items():
         margin = "—" if chosen["margin_to_next"] is None else f"{chosen['margin_to_next']:.4f}"
+        tied = ", ".join(f"{t['lr']:g} ×{t['scheme_lr_multiplier']:g} ({t['seeds']})" for t in chosen["tied"])
         lines.append(
             f"| {label} | {chosen['lr']:g} | {chosen['scheme_lr_multiplier']:g} | {math.exp(chosen['loss']):.3f} "
-            f"| {margin} |"
+            f"| {margin} | {tied} | {'yes' if chosen['resolved'] else 'no'} |"
         )
+    lines += _tied_points(results, selection)
     for label, chosen in selection.items():
         rates = sorted({point["lr"] for point in chosen["grid"]})
         multipliers = sorted({point["scheme_lr_multiplier"] for point in chosen["grid"]})
@@ -156,3 +205,62 @@ def tuning_section(results: Sequence[dict[str, Any]]) -> list[str]:
                 row.append(f"{math.exp(point['loss']):.3f}{n}{mark}")
             lines.append(f"| {lr:g} | " + " | ".join(row) + " |")
     return lines
+
+
+def _longest_ratios(results: Sequence[dict[str, Any]]) -> dict[tuple[str, float, float], tuple[int, list[float]]]:
+    """{(scheme, lr, multiplier): (the longest multiple evaluated, each run's ratio there)}, where a run has one."""
+    found: dict[tuple[str, float, float], tuple[int, list[float]]] = {}
+    for run in results:
+        rows = [r for r in run.get("perplexity") or [] if not r.get("error") and r.get("ratio") is not None]
+        if len(rows) < 2 or run.get("failed"):
+            continue
+        longest = max(rows, key=lambda r: r["multiple"])
+        key = (_label(run), *_setting(run))
+        multiple, ratios = found.get(key, (longest["multiple"], []))
+        if longest["multiple"] == multiple:
+            found[key] = (multiple, [*ratios, float(longest["ratio"])])
+    return found
+
+
+def _tied_points(results: Sequence[dict[str, Any]], selection: dict[str, dict[str, Any]]) -> list[str]:
+    """Each tied point's longest-length ratio where it was evaluated there, and the runs a choice still needs."""
+    ratios = _longest_ratios(results)
+    lines, missing = [], []
+    for label, chosen in selection.items():
+        if len(chosen["tied"]) < 2:
+            continue
+        for tied in chosen["tied"]:
+            setting = (tied["lr"], tied["scheme_lr_multiplier"])
+            if tied["seeds"] < TIED_SEEDS:
+                missing.append(
+                    f"+encoding={label} optim.lr={setting[0]:g} optim.scheme_lr_multiplier={setting[1]:g}"
+                    f"  # {tied['seeds']} seed(s)"
+                )
+            multiple, found = ratios.get((label, *setting), (None, []))
+            if found:
+                mean = statistics.fmean(found)
+                mark = " ◆" if setting == (chosen["lr"], chosen["scheme_lr_multiplier"]) else ""
+                lines.append(f"| {label} | {setting[0]:g} ×{setting[1]:g}{mark} | {multiple:g}× | {mean:.3f} "
+                             f"| {len(found)} |")  # fmt: skip
+    out = []
+    if lines:
+        out += [
+            "",
+            "Each tied point's longest-length ratio on the validation split (nonoverlapping; mean over the seeds that "
+            "were evaluated there): whether the choice among tied points decides how the scheme extrapolates.",
+            "",
+            "| scheme | tied point | at | ratio to 1× | seeds |",
+            "|---|---|---:|---:|---:|",
+            *lines,
+        ]
+    if missing:
+        out += [
+            "",
+            f"Unresolved: tied points with fewer than {TIED_SEEDS} seeds. To resolve them, each with "
+            "`python -m posenc.train -m -cd sweeps -cn tune_ties` and:",
+            "",
+            "```bash",
+            *missing,
+            "```",
+        ]
+    return out

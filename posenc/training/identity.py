@@ -31,7 +31,11 @@ from posenc.runs import DONE_FILE, INTRODUCED, RUN_FILE, experiment_settings, pr
 # what it is); the training config's own eval section is replaced by the settings the results were made with.
 NOT_IDENTITY = ("seed", "data.corpus_options.paths", "eval", "label", "data_info")
 # Evaluation settings that change how, not what, is computed (sliding_fractions adds evaluations of their own).
-EVAL_RUNTIME = ("plots", "at_end", "tokens_per_batch", "sliding_fractions")
+# The report's equivalence margins say how results are read, not what was computed: a mismatch is refused by the
+# report itself (``claims.margin``), never a column of its own.
+EVAL_RUNTIME = (
+    "plots", "at_end", "tokens_per_batch", "sliding_fractions", "equivalence_margin", "equivalence_accuracy",
+)  # fmt: skip
 # Settings added after results were written (``posenc.runs.INTRODUCED``): a result that does not record one did what
 # that says (it scored the head of the split), so it never pools with a result that scored every document.
 # What every results.json holds besides settings: identity, figures, bookkeeping.
