@@ -203,6 +203,19 @@ def test_a_scheme_that_supplies_its_attention_refuses_a_sink_with_its_reason(nam
         assert make(name).own_sink in str(refusal.value)
 
 
+@pytest.mark.parametrize("backend", ["scheme", "triton"])
+def test_a_backend_running_a_schemes_own_attention_refuses_a_sink(backend: str) -> None:
+    # What the model refuses before it is built, the backends refuse too when called with one.
+    names = [name for name in SUPPLIED_SCHEMES if backend == "scheme" or make(name).stick_form() is not None]
+    assert names
+    pos = torch.arange(4)
+    columns, _, _ = Sink("learned", HEADS, HEAD_DIM).columns(*(torch.zeros(1, HEADS, 4, HEAD_DIM),) * 2, pos)
+    for name in names:
+        q = torch.zeros(1, HEADS, 4, HEAD_DIM)
+        with pytest.raises(ValueError, match="no softmax row for a sink"):
+            get_backend(backend)(q, q, q, make(name, head_dim=HEAD_DIM), pos, pos, sink=columns)
+
+
 def test_sink_tokens_count_only_with_tokens() -> None:
     with pytest.raises(ValueError, match=r"model\.sink_tokens=3 counts sink tokens"):
         Decoder("alibi", vocab_size=40, dim=32, heads=4, sink="learned", sink_tokens=3)
