@@ -19,11 +19,13 @@ LAYERS = {
     "runtime": 0,
     "jsonio": 0,
     "encodings": 1,
+    "schema": 1,  # the config schema: pydantic models of every key, read by the config, run checks and entry points
     "attention": 2,
     "probe": 3,
     "decoding": 3,
     "model": 4,
     "training.compiling": 5,
+    "training.stability": 5,  # per-layer stability measures over the model's attention, read by the loop and report
     "config": 5,
     "data": 5,
     "training.lit": 6,
