@@ -99,6 +99,8 @@ BIAS_SCHEMES = [n for n in SCHEMES if make(n).adds_bias]
 DISTANCE_BIAS_SCHEMES = [n for n in BIAS_SCHEMES if make(n).distance_only]
 CONTENT_SCHEMES = [n for n in SCHEMES if make(n).adds_content_bias]
 RELATIVE_SCHEMES = [n for n in SCHEMES if not make(n).absolute]
+# Of those, the ones whose scores depend on m − n alone (every one but a scheme that says it is not).
+SHIFT_INVARIANT = [n for n in RELATIVE_SCHEMES if make(n).shift_invariant]
 # Schemes whose attention is their own (not softmax(q·kᵀ/√D + bias)): their attend against their dense weights.
 SUPPLIED_SCHEMES = [n for n in SCHEMES if make(n).supplies_attention]
 

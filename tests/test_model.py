@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RELATIVE_SCHEMES, SCHEMES
+from conftest import RELATIVE_SCHEMES, SCHEMES, SHIFT_INVARIANT
 
 from posenc.encodings import build
 from posenc.encodings.base import PositionalEncoding
@@ -41,12 +41,22 @@ def test_causality(name) -> None:
     assert not torch.allclose(before[:, 10:], after[:, 10:])
 
 
-@pytest.mark.parametrize("name", [*RELATIVE_SCHEMES, *HYBRIDS], ids=str)
+@pytest.mark.parametrize("name", [*SHIFT_INVARIANT, *HYBRIDS], ids=str)
 def test_relative_schemes_are_shift_invariant(name) -> None:
     model = tiny(name, depth=4)
     tokens = torch.randint(0, VOCAB, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), model(tokens, offset=300), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", [n for n in RELATIVE_SCHEMES if n not in SHIFT_INVARIANT] or [None], ids=str)
+def test_a_scheme_that_says_it_is_not_shift_invariant_is_not(name) -> None:
+    if name is None:
+        pytest.skip("every scheme acting in attention is shift-invariant")
+    model = tiny(name, depth=2)
+    tokens = torch.randint(0, VOCAB, (2, 20))
+    with torch.no_grad():
+        assert not torch.allclose(model(tokens), model(tokens, offset=300), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["sinusoidal", "learned"])

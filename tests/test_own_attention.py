@@ -19,7 +19,7 @@ from posenc.attention.auto import choose
 from posenc.encodings.stick_breaking import stick_breaking_attention
 from posenc.lane.cases import cases, not_on_flex, skipped
 
-ROTARY = next(name for name in SCHEMES if make(name).rotates and not make(name).adds_bias)
+ROTARY = next(n for n in SCHEMES if make(n).rotates and make(n).shift_invariant and not make(n).adds_bias)  # a rotation
 CASES = [*SUPPLIED_SCHEMES, *(f"{ROTARY}+{name}" for name in SUPPLIED_SCHEMES)]
 # Every config whose scheme declares stick-breaking's attention (both forms), and each such registered scheme under a
 # rotation: by declaration, not by name.

@@ -31,7 +31,7 @@ HEADS, HEAD_DIM = 3, 16  # tl.dot needs a head dim of at least 16
 
 # Every config whose scheme declares a stick form (the reference form and the trained one), and the registry's
 # schemes that do, each also under a rotation: found by declaration, never by name.
-ROTARY = next(name for name in SCHEMES if make(name).rotates and not make(name).adds_bias)
+ROTARY = next(n for n in SCHEMES if make(n).rotates and make(n).shift_invariant and not make(n).adds_bias)  # a rotation
 STICK_NAMES = [name for name in SCHEMES if make(name).stick_form() is not None]
 FORMS = encoding_configs(HEADS, HEAD_DIM, lambda enc: enc.stick_form() is not None)
 FORMS += [{"name": f"{ROTARY}+{name}"} for name in STICK_NAMES]

@@ -110,6 +110,8 @@ class PositionalEncoding(nn.Module):
     - ``absolute``: ``embed`` does something, so the scheme acts once on the input, not per layer.
     - ``adds_bias``: ``bias``/``score_mod`` are not ``None``.
     - ``rotates``: ``rotate`` is not the identity.
+    - ``shift_invariant``: a scheme acting in attention whose scores depend on positions only through m − n, so a
+      window scores the same wherever it starts; False where ``rotate`` is not a rotation (FoPE's mixed waves).
     - ``adds_content_bias``: ``content_bias`` is not ``None`` (a bias that reads q and k, not only positions).
     - ``reads_layer_input``: ``token_features`` is not ``None`` (per-token features read from the layer's input x).
     - ``supplies_attention``: ``attention_weights``/``attend`` are the attention itself, in place of
@@ -131,6 +133,7 @@ class PositionalEncoding(nn.Module):
     absolute: ClassVar[bool] = False
     adds_bias: ClassVar[bool] = False
     rotates: ClassVar[bool] = False
+    shift_invariant: ClassVar[bool] = True
     adds_content_bias: ClassVar[bool] = False
     reads_scores: ClassVar[bool] = False  # content_bias reads q·kᵀ/√D, which a backend may pass it (``scores``)
     reads_layer_input: ClassVar[bool] = False

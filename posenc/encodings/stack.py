@@ -33,6 +33,7 @@ class Stack(PositionalEncoding):
         self.absolute = any(m.absolute for m in members)
         self.adds_bias = any(m.adds_bias for m in members)
         self.rotates = any(m.rotates for m in members)
+        self.shift_invariant = all(m.shift_invariant for m in members)
         self.adds_content_bias = any(m.adds_content_bias for m in members)
         self.reads_scores = any(m.reads_scores for m in members)
         self.reads_layer_input = any(m.reads_layer_input for m in members)
