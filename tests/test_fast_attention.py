@@ -34,11 +34,13 @@ def _learnable_schemes_and_stacks() -> list[str]:
     fixed = [name for name in BIAS_SCHEMES if name not in learnable and "+" not in name]
     rotary = [name for name in SCHEMES if make(name).rotates and not make(name).adds_bias]
     cases = list(learnable)
-    if len(learnable) > 1:
-        cases.append("+".join(learnable))
+    readers = [name for name in learnable if make(name).reads_layer_input]
+    together = [name for name in learnable if name not in readers[1:]]  # a stack reads the layer input once at most
+    if len(together) > 1:
+        cases.append("+".join(together))
     # Every scheme with gradient forms together: the stack flex_learnable takes (with content biases in it, the stack
     # above goes to sdpa), so derivative and table forms are differentiated side by side.
-    with_forms = [name for name in learnable if supports(make(name))]
+    with_forms = [name for name in together if supports(make(name))]
     if len(with_forms) > 1:
         cases.append("+".join(with_forms))
     cases += [f"{other}+{learnable[0]}" for other in fixed[:1]] + [f"{other}+{learnable[-1]}" for other in rotary[:1]]
