@@ -67,3 +67,33 @@ def test_mean_by_length_averages_heads_and_layers() -> None:
     rows = [{"length": n, "layer": layer, "head": 0, "sink": n * 10 + layer} for n in (2, 1) for layer in (0, 1)]
     assert mean_by_length(rows, "sink") == ([1, 2], [10.5, 20.5])
     assert mean_by_length(rows, "sink", layer=1) == ([1, 2], [11.0, 21.0])
+
+
+def test_a_run_evaluated_under_two_protocols_counts_once_in_the_report() -> None:
+    # Both protocols measure the statistics on the same windows: the report keeps the nonoverlapping evaluation's,
+    # and the columns split by scheme only, not by protocol.
+    from posenc.report.attention import attention_groups
+
+    def result(run: str, mode: str, sink: float) -> dict:
+        stats = [{"length": 64, "layer": 0, "head": 0, "sink": sink, "distance": 1.0, "entropy": 1.0, "explicit": 0}]
+        return {
+            "label": "alibi",
+            "train_len": 64,
+            "seed": int(run[-1]),
+            "run_name": run,
+            "data": {"corpus": "stdlib"},
+            "eval": {"mode": mode},
+            "attention_stats": stats,
+            "_source": f"/runs/{run}/eval_{mode}/results.json",
+        }
+
+    results = [
+        result(f"alibi-L64-s{s}", mode, 0.1 if mode == "nonoverlap" else 0.9)
+        for s in (0, 1)
+        for mode in ("sliding", "nonoverlap")
+    ]
+    groups = attention_groups(results)
+    [(key, columns)] = groups.items()
+    assert key == (64, "stdlib") and len(columns) == 1
+    [runs] = columns.values()
+    assert sorted(run["seed"] for run in runs) == [0, 1] and {run["eval"]["mode"] for run in runs} == {"nonoverlap"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from posenc.evaluate.attention_stats import mean_by_length
@@ -22,13 +23,30 @@ def has_sink(run: dict[str, Any]) -> bool:
     return any(row.get("explicit") for row in run.get("attention_stats") or [])
 
 
+def once_per_run(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run's statistics once: every protocol's evaluation of a run measures them on the same windows.
+
+    The nonoverlapping evaluation's are kept where a run has several; a result whose run cannot be told is kept.
+    """
+    kept: dict[str, dict[str, Any]] = {}
+    unknown = []
+    for run in sorted(results, key=lambda r: (r.get("eval") or {}).get("mode") != "nonoverlap"):
+        key = str(Path(str(run["_source"])).parent.parent) if run.get("_source") else run.get("run_name")
+        if key is None:
+            unknown.append(run)
+        else:
+            kept.setdefault(str(key), run)
+    return [*kept.values(), *unknown]
+
+
 def attention_groups(results: list[dict[str, Any]]) -> dict[tuple[int, str], Columns]:
     """{(train_len, data): {column: runs}} for runs with attention statistics; text and each task apart.
 
-    Columns pool runs by identity (``posenc/training/identity.py``), as the perplexity tables do.
+    Columns pool runs by identity (``posenc/training/identity.py``), as the perplexity tables do; a run evaluated
+    under two protocols counts once (``once_per_run``).
     """
     by_group: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
-    for run in results:
+    for run in once_per_run([run for run in results if run.get("attention_stats")]):
         if run.get("attention_stats") and not run.get("failed"):
             data = run.get("data") or {}
             by_group[(int(run["train_len"]), str(data.get("task") or data.get("corpus") or "?"))].append(run)
