@@ -64,3 +64,13 @@ def test_every_column_is_compared_with_each_reference_as_one_family(tmp_path: Pa
     assert pairs(by_label, ["alibi", "nope"]) == [("nope", "alibi"), ("t5 · lr=0.1", "alibi"), ("t5 · lr=0.1", "nope")]
     custom = build_report(find_results([tmp_path]), tmp_path / "other", make_plots=False, references=["t5"])
     assert "The 6 tests are two families" in custom
+
+
+def test_a_setting_is_compared_within_each_scheme() -> None:
+    # "* · sink=none": each column against its own scheme's column of that setting, never across schemes.
+    by_label = {name: [] for name in ("alibi · sink=learned", "alibi · sink=none", "rope · sink=none",
+                                      "rope · sink=tokens", "nope · sink=learned")}  # fmt: skip
+    assert pairs(by_label, ["* · sink=none"]) == [
+        ("alibi · sink=learned", "alibi · sink=none"),
+        ("rope · sink=tokens", "rope · sink=none"),
+    ]

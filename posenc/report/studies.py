@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from posenc.report.preset import DEFAULT_REFERENCES
+
 
 @dataclass(frozen=True)
 class Study:
@@ -20,6 +22,7 @@ class Study:
     tuning: bool = False  # the tuning grid alone, and the selection written beside the document (selection.json)
     budgets: bool = False  # each scheme's rank at every budget its runs trained for, alone
     stability: bool = False  # learning-rate sensitivity and spikes per scheme over a grid of rates, alone
+    references: tuple[str, ...] = DEFAULT_REFERENCES  # the comparisons fixed in advance (``preset.py``)
 
 
 # The reproduction's encoding configs (sweeps/repro.yaml): every scheme of the ALiBi-era comparison and two hybrids.
@@ -214,5 +217,6 @@ STUDIES = {
         "single-threaded halves side by side:\n"
         "#   OMP_NUM_THREADS=1 ... +encoding=alibi,nope & OMP_NUM_THREADS=1 ... +encoding=rope,kerple_log",
         "outputs/sweeps/sinks",
+        references=("* · sink=none",),  # each sink against no sink, within its scheme
     ),
 }

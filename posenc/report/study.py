@@ -239,6 +239,7 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
         tuning_only=study.tuning,
         budgets_only=study.budgets,
         stability_only=study.stability,
+        references=study.references,
         **report,
     )
     if read_from and folder.is_dir() and not any(folder.iterdir()):
