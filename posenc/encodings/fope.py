@@ -20,8 +20,8 @@ coefficients per head, each column divided by its sum, the padded pairs set to 1
 spread so that every pair starts with a wave (``step_identity``), plus Xavier-normal noise of gain σ = 0.3). Their
 code has a switch for training the coefficients; here they train by default (``learnable: false`` fixes them at
 their initialisation). q_m · k_n is no longer a function of m − n alone once the coefficients mix frequencies, so
-FoPE is a transform of q and k at their own positions, which every backend applies before its kernel and cached
-decoding applies to each new key once.
+FoPE is a transform of q and k at their own positions, applied before any backend's kernel (cached decoding keeps
+keys untransformed and transforms them at their own positions with each step's queries, as for RoPE).
 
 ``train_length`` sets the floor; it follows the run's training length (the floor is defined by it).
 """
