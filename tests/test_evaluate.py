@@ -404,6 +404,9 @@ def test_ctrl_c_during_an_evaluation_ends_in_one_line_and_keeps_the_folder(train
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A suite started in the background (`pytest &`, nohup) hands its children SIGINT ignored, and Python then
+        # never turns Ctrl-C into KeyboardInterrupt: give the child the default, as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert evaluation.stdout is not None
     started = evaluation.stdout.readline()

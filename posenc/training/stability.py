@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from posenc.probe import visit_layers
+from posenc.runtime import precision_context
 
 SPIKE_WINDOW = 128  # steps the mean and deviation are taken over
 SPIKE_SIGMAS = 6.0  # a spike: more than this many standard deviations above that mean
@@ -56,8 +57,12 @@ def spikes(series: Tensor, start: int = SPIKE_WINDOW) -> Tensor:
 
 
 @torch.no_grad()
-def max_attention_logit(model: nn.Module, tokens: Tensor) -> float:
-    """The largest z_ij = q_i · k_j / √D over every layer, head and causal pair of ``tokens`` (B, L), in fp32."""
+def max_attention_logit(model: nn.Module, tokens: Tensor, precision: str = "32-true") -> float:
+    """The largest z_ij = q_i · k_j / √D over every layer, head and causal pair of ``tokens`` (B, L), in fp32.
+
+    The forward runs in ``precision``, the run's own (``bf16-mixed``: under autocast), so the q and k measured are
+    those training computes; only the product is taken in fp32.
+    """
     largest = [-math.inf]
 
     def visit(layer: int, q: Tensor, k: Tensor, encoding: Any, pos: Tensor, features: Any, sink: Any) -> None:
@@ -72,7 +77,8 @@ def max_attention_logit(model: nn.Module, tokens: Tensor) -> float:
     was_training = model.training
     model.eval()
     try:
-        visit_layers(model, tokens, visit)
+        with precision_context(precision, tokens.device):
+            visit_layers(model, tokens, visit)
     finally:
         model.train(was_training)
     return largest[0]
@@ -132,14 +138,14 @@ class StabilityMonitor(Callback):
             "train/grad_norm": float(self.grad_norm[step - 1]),
         }
         if (step // every) % max(1, round(LOGIT_EVERY / every)) == 0:
-            self.logits.append((step, max_attention_logit(pl_module.model, self.window)))
+            self.logits.append((step, max_attention_logit(pl_module.model, self.window, str(trainer.precision))))
             logged["stability/max_attention_logit"] = self.logits[-1][1]
         pl_module.log_dict(logged)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A last sample of the largest logit at the last step, so that a run shorter than ``LOGIT_EVERY`` has one."""
         if self.window is not None and (not self.logits or self.logits[-1][0] != self.steps):
-            self.logits.append((self.steps, max_attention_logit(pl_module.model, self.window)))
+            self.logits.append((self.steps, max_attention_logit(pl_module.model, self.window, str(trainer.precision))))
 
     def count(self, steps: int) -> None:
         """Add the spikes of the steps trained since the last count (each judged against the 128 before it)."""
