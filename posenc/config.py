@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel
 
-from posenc.model import encoding_label
+from posenc.layout import encoding_label
 from posenc.schema.composed import check_composed, settings_help
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

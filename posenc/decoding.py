@@ -13,6 +13,11 @@ all cached positions (``k_pos``, Lq ≠ Lk):
 - features a scheme reads from the layer's input (``token_features``: FoX's log-gates, PaTH's Householder vectors)
   are cached beside the keys, so a new query sees every cached key's features as the full forward does.
 
+A local (sliding-window) layer keeps a rolling cache: after each step only the last W − 1 keys stay, the ones the
+next query's window of W reaches, so its memory stays W keys however long the continuation runs (what deployed
+local layers keep). The cache remembers the first position it held (``origin``): a sink token sits there, as in the
+full forward, after the keys that shared it are gone.
+
 Nothing here names a scheme: exactness follows from passing the contract the same positions as the full
 forward. ``tests/test_decoding.py`` checks the logits against the full forward for every registered scheme.
 """
@@ -26,8 +31,9 @@ from torch import Tensor, nn
 class LayerCache:
     """One layer's cached keys (unrotated) and values (B, H, Lk, D), their positions (Lk,) and features (B, Lk, F).
 
-    ``length`` counts the cached positions on the host: the decoder numbers positions 0, 1, 2, ... so it is also
+    ``length`` counts the positions seen on the host: the decoder numbers positions 0, 1, 2, ... so it is also
     the next position, known without reading a device tensor back (a host sync per decoded token on a GPU).
+    ``origin`` (1,) is the first position the cache held.
     """
 
     def __init__(self) -> None:
@@ -35,22 +41,38 @@ class LayerCache:
         self.v: Tensor | None = None
         self.pos: Tensor | None = None
         self.features: Tensor | None = None
+        self.origin: Tensor | None = None
         self.length = 0
 
     def extend(
-        self, k: Tensor, v: Tensor, pos: Tensor, features: Tensor | None = None
+        self, k: Tensor, v: Tensor, pos: Tensor, features: Tensor | None = None, window: int | None = None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """Append the new keys, values, positions and features; return the whole cache in that order."""
+        """Append the new keys, values, positions and features; return the whole cache in that order.
+
+        With a ``window`` (a local layer), what is kept for the next step is the last ``window`` − 1 of them.
+        """
         self.length += pos.shape[0]
         if self.k is None:  # the prompt: positions stay the queries' own tensor, so backends see self-attention
-            self.k, self.v, self.pos, self.features = k, v, pos, features
+            self.k, self.v, self.pos, self.features, self.origin = k, v, pos, features, pos[:1]
+            seen = (k, v, pos, features)
         else:
-            self.k = torch.cat((self.k, k), dim=-2)
-            self.v = torch.cat((self.v, v), dim=-2)
-            self.pos = torch.cat((self.pos, pos))
-            if features is not None:
-                self.features = torch.cat((self.features, features), dim=1)
-        return self.k, self.v, self.pos, self.features
+            seen = (
+                torch.cat((self.k, k), dim=-2),
+                torch.cat((self.v, v), dim=-2),
+                torch.cat((self.pos, pos)),
+                None if features is None else torch.cat((self.features, features), dim=1),
+            )
+            self.k, self.v, self.pos, self.features = seen
+        if window is not None:
+            self._roll(window - 1)
+        return seen
+
+    def _roll(self, keep: int) -> None:
+        """Keep the last ``keep`` keys (a local layer's next query reaches no further back)."""
+        first = max(0, self.pos.shape[0] - keep)
+        if first:
+            self.k, self.v, self.pos = self.k[:, :, first:], self.v[:, :, first:], self.pos[first:]
+            self.features = None if self.features is None else self.features[:, first:]
 
 
 class KVCache:

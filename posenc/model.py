@@ -10,7 +10,7 @@ more than building a different instance for some layers.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,20 +21,32 @@ from torch import Tensor, nn
 from posenc import decoding, probe
 from posenc.attention import decoding_backend, get_backend
 from posenc.attention.sink import Sink, SinkColumns, refuse_sink
-from posenc.encodings import build, scheme_class, stack_members
+from posenc.attention.window import check_window
 from posenc.encodings.base import PositionalEncoding
+from posenc.layout import EncodingSpec, build_layers, encoding_label
 
-EncodingSpec = str | Sequence[str] | Mapping[str, Any] | PositionalEncoding
 INITS = ("gpt2", "pytorch")  # the backbone's initialisation: GPT-2's (std 0.02) or every module's PyTorch default
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention; the scheme rotates q, k and the backend applies its bias (and the sink)."""
+    """Causal multi-head self-attention; the scheme rotates q, k and the backend applies its bias (and the sink).
+
+    ``window``: a local layer's (its queries see the last ``window`` positions, ``posenc/attention/window.py``);
+    ``None`` for a global layer.
+    """
 
     def __init__(
-        self, dim: int, heads: int, encoding: PositionalEncoding, backend: str, sink: Sink | None = None
+        self,
+        dim: int,
+        heads: int,
+        encoding: PositionalEncoding,
+        backend: str,
+        sink: Sink | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        check_window(window)
+        self.window = window
         self.heads = heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
@@ -54,13 +66,14 @@ class Attention(nn.Module):
         """
         q, k, v = rearrange(self.qkv(x), "b l (three h d) -> three b h l d", three=3, h=self.heads)
         features = self.encoding.token_features(x)
-        k_pos = pos
+        k_pos, origin = pos, pos[:1]
         if cache is not None:  # keys are cached unrotated and rotated with the new queries (see posenc/decoding.py)
-            k, v, k_pos, features = cache.extend(k, v, pos, features)
+            k, v, k_pos, features = cache.extend(k, v, pos, features, self.window)
+            origin = cache.origin
         if self.sink is None:
             q, k = self.encoding.rotate(q, k, pos, k_pos)
             return q, k, v, k_pos, features, None
-        k, v, rotated_pos = self.sink.in_front(k, v, k_pos)
+        k, v, rotated_pos = self.sink.in_front(k, v, k_pos, origin)
         q, k = self.encoding.rotate(q, k, pos, rotated_pos)
         columns, k, v = self.sink.columns(k, v, rotated_pos)
         return q, k, v, k_pos, features, columns
@@ -68,7 +81,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None) -> Tensor:
         q, k, v, k_pos, features, sink = self.project(x, pos, cache)
         backend = self.backend if cache is None else get_backend(decoding_backend(self.backend_name, self.encoding))
-        out = backend(q, k, v, self.encoding, pos, k_pos, features=features, sink=sink)  # (B, H, Lq, D)
+        out = backend(q, k, v, self.encoding, pos, k_pos, features=features, sink=sink, window=self.window)
         return self.proj(rearrange(out, "b h l d -> b l (h d)"))
 
 
@@ -84,10 +97,11 @@ class Block(nn.Module):
         mlp_ratio: int,
         dropout: float,
         sink: Sink | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(dim)
-        self.attn = Attention(dim, heads, encoding, backend, sink)
+        self.attn = Attention(dim, heads, encoding, backend, sink, window)
         self.mlp_norm = nn.RMSNorm(dim)
         self.mlp = nn.Sequential(
             nn.Linear(dim, mlp_ratio * dim, bias=False), nn.GELU(), nn.Linear(mlp_ratio * dim, dim, bias=False)
@@ -97,75 +111,6 @@ class Block(nn.Module):
     def forward(self, x: Tensor, pos: Tensor, cache: decoding.LayerCache | None = None) -> Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), pos, cache))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
-
-
-def _split_spec(spec: EncodingSpec) -> tuple[list[str] | str | PositionalEncoding, dict[str, Any]]:
-    """Separate a spec into its name(s) and its options (``{"name": ..., **options}`` or a bare name/list)."""
-    if isinstance(spec, PositionalEncoding):
-        return spec, {}
-    if isinstance(spec, Mapping):
-        options = {key: value for key, value in spec.items() if key != "name"}
-        if "name" not in spec:
-            raise ValueError(f"encoding config {dict(spec)} has no 'name' (a scheme, 'a+b', or a per-layer list)")
-        spec = spec["name"]
-    else:
-        options = {}
-    if isinstance(spec, str):
-        return spec, options
-    entries = [str(entry) for entry in spec]
-    if not entries:
-        raise ValueError("an empty per-layer schedule: give at least one scheme, e.g. [rope, rope, rope, nope]")
-    return (entries[0] if len(entries) == 1 else entries), options
-
-
-def _member_options(entry: str, options: Mapping[str, Any], keyed: bool) -> dict[str, Any]:
-    """Options for one schedule entry: flat for a single uniform scheme, keyed by member name otherwise."""
-    if not keyed:
-        return dict(options)
-    parts = stack_members(entry)
-    if len(parts) == 1:
-        return dict(options.get(entry) or {})
-    return {part: dict(options[part]) for part in parts if part in options}
-
-
-def _split_absolute(entry: str) -> tuple[str | None, str | None]:
-    """Split ``"a+b+c"`` into the members acting on the input (absolute) and those acting in attention."""
-    parts = stack_members(entry)
-    absolute = [part for part in parts if scheme_class(part).absolute]
-    relative = [part for part in parts if not scheme_class(part).absolute]
-    return ("+".join(absolute) or None), ("+".join(relative) or None)
-
-
-def schedule_label(entries: Sequence[str]) -> str:
-    """Readable name of a per-layer schedule: runs collapsed, ``["rope"]*3 + ["nope"]`` → ``rope×3,nope``."""
-    runs: list[list[Any]] = []
-    for entry in entries:
-        if runs and runs[-1][0] == entry:
-            runs[-1][1] += 1
-        else:
-            runs.append([entry, 1])
-    return ",".join(name if count == 1 else f"{name}×{count}" for name, count in runs)
-
-
-def encoding_label(spec: EncodingSpec) -> str:
-    """Readable name of any encoding spec (a scheme, a stack, a schedule), without building it."""
-    names, options = _split_spec(spec)
-    if isinstance(names, PositionalEncoding):
-        return names.label
-    if not isinstance(names, str):
-        return schedule_label(names)
-    try:
-        parts = stack_members(names)
-        if len(parts) == 1:
-            return scheme_class(names).label_of(options)
-        return "+".join(scheme_class(part).label_of(_keyed(options, part)) for part in parts)
-    except ValueError:  # not a registered scheme: the name as given (building it refuses it in one line)
-        return names
-
-
-def _keyed(options: Mapping[str, Any], part: str) -> Mapping[str, Any]:
-    value = options.get(part)
-    return value if isinstance(value, Mapping) else {}
 
 
 class Decoder(nn.Module):
@@ -208,7 +153,7 @@ class Decoder(nn.Module):
             )
         head_dim = dim // heads
         self.label = encoding_label(encoding)
-        self.input_encoding, layer_encodings = self._build_encodings(encoding, depth, heads, head_dim)
+        self.input_encoding, layer_encodings, windows = build_layers(encoding, depth, heads, head_dim)
         self.token_embedding = nn.Embedding(vocab_size, dim)
         for layer_encoding in dict.fromkeys(layer_encodings):
             refuse_sink(layer_encoding, sink)
@@ -219,7 +164,14 @@ class Decoder(nn.Module):
         self.sink = sink
         self.blocks = nn.ModuleList(
             Block(
-                dim, heads, layer_encodings[i], attention, mlp_ratio, dropout, self._sink(heads, head_dim, sink_tokens)
+                dim,
+                heads,
+                layer_encodings[i],
+                attention,
+                mlp_ratio,
+                dropout,
+                self._sink(heads, head_dim, sink_tokens),
+                windows[i],
             )
             for i in range(depth)
         )
@@ -279,44 +231,10 @@ class Decoder(nn.Module):
             )
         return {"method": method, "factor": factor, "original_length": original_length}
 
-    @staticmethod
-    def _build_encodings(
-        spec: EncodingSpec, depth: int, heads: int, head_dim: int
-    ) -> tuple[PositionalEncoding | None, list[PositionalEncoding]]:
-        names, options = _split_spec(spec)
-        if isinstance(names, PositionalEncoding):
-            return names, [names] * depth
-        if isinstance(names, str):
-            absolute, relative = _split_absolute(names)
-            keyed = "+" in names  # a stack's options are keyed by member; a single scheme's are flat
-            input_encoding = None
-            if absolute is not None:
-                absolute_options = _member_options(absolute, options, keyed)
-                input_encoding = build(absolute, num_heads=heads, head_dim=head_dim, **absolute_options)
-            if relative is None:  # purely absolute: attention layers see no position at all
-                relative, options = "nope", {}
-            entries = [relative]
-        else:
-            for entry in names:
-                absolute, _ = _split_absolute(entry)
-                if absolute is not None:
-                    raise ValueError(
-                        f"absolute scheme {absolute!r} cannot sit in a per-layer schedule {list(names)}: it acts once "
-                        "on the input, not per layer. Put it in a stack for every layer (e.g. 'learned+alibi') instead"
-                    )
-            input_encoding, entries, keyed = None, list(names), True
-            members = {member for entry in entries for member in stack_members(entry)}
-            stray = sorted(set(options) - members)
-            if stray:
-                raise ValueError(
-                    f"options {stray} of the per-layer schedule {entries} must be nested under a member's name "
-                    f"(one of {sorted(members)}), e.g. {entries[0].split('+')[0]}: {{...}}"
-                )
-        layers = []
-        for i in range(depth):
-            entry = entries[i % len(entries)]
-            layers.append(build(entry, num_heads=heads, head_dim=head_dim, **_member_options(entry, options, keyed)))
-        return input_encoding, layers
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's window (``None``: global), in order."""
+        return [block.attn.window for block in self.blocks]
 
     @property
     def layer_encodings(self) -> list[PositionalEncoding]:

@@ -54,6 +54,20 @@ def cuda_branches(monkeypatch: pytest.MonkeyPatch):
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """FlexAttention uncompiled, with its dense backward allowed on CPU tensors, for the backends' CUDA branches."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    import posenc.attention.flex as flex
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
+    monkeypatch.setattr(flex, "compiled_flex_attention", lambda: flex_module.flex_attention)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=flex.FALLBACK_WARNING)
+        yield
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator:
     """A one-node SLURM cluster on this machine for the session (``posenc.cluster.local``); skipped without SLURM.

@@ -52,6 +52,18 @@ def encoding_configs(heads: int, head_dim: int, declares: Callable[[Any], bool])
     return found
 
 
+def fitting(name: str, *overrides: str) -> list[str]:
+    """``+encoding=<name>`` and the overrides, with the model's depth raised to a layout's length where it is longer.
+
+    A layout longer than the model (Gemma 3's six layers over the tiny decoder's four) would lose a kind of layer and
+    is refused; tests that train or build every config give it the depth it needs.
+    """
+    config = compose_train(f"+encoding={name}", *overrides)
+    layers = config.encoding.name
+    deeper = not isinstance(layers, str) and len(layers) > config.model.depth
+    return [f"+encoding={name}", *overrides, *([f"model.depth={len(layers)}"] if deeper else [])]
+
+
 def compose_train(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))

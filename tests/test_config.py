@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import compose_train
+from helpers import compose_train, fitting
 from omegaconf import OmegaConf
 
 from posenc.config import CONF_DIR, encoding_choices, to_container
@@ -28,7 +28,7 @@ def test_every_scheme_has_a_config() -> None:
 def test_every_encoding_config_builds_a_model(name: str) -> None:
     """Built as a run builds it, at two lengths: its length settings scaled, every positional parameter reached."""
     for seq_len in (64, 128):
-        cfg = resolve_length_settings(to_container(compose_train(f"+encoding={name}", f"data.seq_len={seq_len}")))
+        cfg = resolve_length_settings(to_container(compose_train(*fitting(name, f"data.seq_len={seq_len}"))))
         model = Decoder(encoding=cfg["encoding"], vocab_size=257, attention=cfg["attention"]["name"], **cfg["model"])
         assert model.label == cfg["run_name"].split("-L")[0]
         assert coverage(model, seq_len)["gaps"] == [], f"{name} at L={seq_len} leaves parameters untrained"

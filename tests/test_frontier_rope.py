@@ -244,5 +244,5 @@ def test_a_length_scaled_evaluation_is_checked_and_gets_its_own_directory() -> N
     config = to_container(compose_train("+encoding=alibi"))
     assert refusal({**config, "eval": {**trained, "attention_scale": "log_n"}}, TrainConfig) is None
     assert refusal({**config, "eval": {**trained, "attention_scale": "logn"}}, TrainConfig) == (
-        "eval.attention_scale=logn must be log_n or null"
+        "eval.attention_scale=logn must be one of log_n, llama4 or null"
     )

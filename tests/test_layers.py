@@ -23,6 +23,7 @@ LAYERS = {
     "attention": 2,
     "probe": 3,
     "decoding": 3,
+    "layout": 3,  # how an encoding spec becomes layers: each layer's scheme and kind (global or local)
     "model": 4,
     "training.compiling": 5,
     "training.stability": 5,  # per-layer stability measures over the model's attention, read by the loop and report

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.nn.attention.flex_attention as flex_module
 from conftest import HEADS, SCHEMES, SUPPLIED_SCHEMES, make
 
 import posenc.attention.flex as flex
@@ -37,16 +35,6 @@ SOFTMAX_SCHEMES = [name for name in SCHEMES if not make(name).supplies_attention
 # What an attention layer holds: an absolute scheme acts once on the input, its layers see no position.
 CASES = [*(name for name in SOFTMAX_SCHEMES if not make(name).absolute), "rope+alibi", "alibi+t5+kerple_log"]
 FUSED = ("flex", "flex_learnable")  # run on their CUDA branches, FlexAttention's dense backward on CPU
-
-
-@pytest.fixture
-def flex_backward_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """FlexAttention uncompiled, with its dense backward allowed on CPU tensors, for the backends' CUDA branches."""
-    monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)
-    monkeypatch.setattr(flex, "compiled_flex_attention", lambda: flex_module.flex_attention)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=flex.FALLBACK_WARNING)
-        yield
 
 
 def _accepts(backend: str, name: str) -> bool:

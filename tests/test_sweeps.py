@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from posenc.config import CONF_DIR, encoding_choices
 from posenc.encodings import available
-from posenc.model import encoding_label
+from posenc.layout import encoding_label
 from posenc.runs import read_checkpoint, write_done
 from posenc.runs.loggers import build_loggers
 from posenc.train import train
@@ -162,14 +162,16 @@ def test_a_resumed_run_trains_on_fresh_windows(tmp_path: Path, monkeypatch: pyte
     assert seen[:8] == list(range(12, 20))
 
 
-def config_labels() -> set[str]:
-    """The run label of every config in conf/encoding/: a scheme's own name, or the stack or schedule it configures
-    (``ssmax`` trains as ``rope+ssmax``); every registered scheme is among their members."""
+def config_labels(exclude: tuple[str, ...] = ()) -> set[str]:
+    """The run label of every config in conf/encoding/ but ``exclude``: a scheme's own name, or the stack or schedule
+    it configures (``ssmax`` trains as ``rope+ssmax``), or the name a layout gives itself; every registered scheme is
+    among their members."""
     labels = set()
-    for choice in encoding_choices():
+    for choice in set(encoding_choices()) - set(exclude):
         spec = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "encoding" / f"{choice}.yaml"), resolve=False)
         labels.add(encoding_label(spec))
     members = {part for label in labels for entry in label.split(",") for part in entry.split("×")[0].split("+")}
+    assert len(labels) == len(set(encoding_choices()) - set(exclude)), "two configs share a label (a run directory)"
     assert set(available()) <= members, f"registered but in no config: {set(available()) - members}"
     return labels
 
@@ -183,7 +185,7 @@ def test_extrapolation_sweep_covers_every_scheme_seed_and_length(tmp_path: Path)
     jobs = [Path(path) for _, path, _ in lines]
     names = [job.name for job in jobs]
     labels = {name.rsplit("-", 2)[0] for name in names}
-    assert labels == config_labels() and {"rope×3,nope", "rope+alibi"} <= labels
+    assert labels == config_labels(exclude=("gemma3",)) and {"rope×3,nope", "rope+alibi", "irope"} <= labels
     assert len(names) == len(set(names)) == len(labels) * 3 * 2
     assert {name.rsplit("-", 2)[1] for name in names} == {"L64", "L128"}
     assert {name.rsplit("-", 2)[2] for name in names} == {"s0", "s1", "s2"}
@@ -296,11 +298,12 @@ def test_reproduction_runs_both_protocols_from_one_run(tmp_path: Path) -> None:
     config = compose_train("+encoding=alibi", "experiment=repro")
     assert list(config.eval.sliding_fractions) == [0.5, 0.125] and config.eval.mode == "nonoverlap"
     overrides = [o for o in FAST if not o.startswith("eval.multiples")]
-    train(
-        compose_train("+encoding=alibi", *overrides, "eval.multiples=[1,2]", "eval.sliding_fractions=[0.5]"), tmp_path
-    )
+    both = ("eval.multiples=[1,2]", "eval.sliding_fractions=[0.5]", "eval.attention_stats=true")
+    train(compose_train("+encoding=alibi", *overrides, *both), tmp_path)
     plain = json.loads((tmp_path / "eval" / "results.json").read_text())
     sliding = json.loads((tmp_path / "eval_sliding_f0.5" / "results.json").read_text())
+    # The attention statistics read the same windows under either protocol: measured once, in eval/.
+    assert plain["attention_stats"] and not sliding.get("attention_stats")
     assert [r["stride"] for r in plain["perplexity"]] == [None, None]
     assert [r["stride"] for r in sliding["perplexity"]] == [8, 16]  # half of each length (16, 32)
     # Sliding leaves the stream's first 32 − 16 targets as context only, at every length, so that every token it

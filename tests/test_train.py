@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, compose_train
+from helpers import FAST, compose_train, fitting
 
 from posenc.config import encoding_choices
 from posenc.runs.loggers import resolve_wandb_mode
@@ -29,7 +29,7 @@ def strict_json(path: Path) -> dict:
 
 @pytest.mark.parametrize("name", encoding_choices())
 def test_three_steps_per_scheme(name: str, tmp_path: Path) -> None:
-    summary = train(compose_train(f"+encoding={name}", *FAST), tmp_path)
+    summary = train(compose_train(*fitting(name, *FAST)), tmp_path)
     assert summary["steps"] == 3
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
     saved = strict_json(tmp_path / "run.json")

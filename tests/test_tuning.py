@@ -80,7 +80,7 @@ def test_a_run_takes_its_schemes_tuned_rates_and_an_untuned_scheme_is_refused(tm
 
 def test_a_form_of_a_scheme_is_tuned_under_the_name_its_runs_carry() -> None:
     # Two forms of stick-breaking in one sweep: each its own run name, column and selected setting.
-    from posenc.model import encoding_label
+    from posenc.layout import encoding_label
 
     trained = {"name": "stick_breaking", "remainder": "head_bias", "head_norm": True}
     assert encoding_label(trained) == "stick_breaking_trained" and encoding_label("stick_breaking") == "stick_breaking"

@@ -15,6 +15,9 @@ attention in a fused kernel, for a scheme that declares its ``stick_form``, and 
 Every backend takes the layer's sink (``sink``: ``posenc/attention/sink.py``), the columns a softmax row holds in
 front of the keys: ``eager`` puts them in its dense softmax, ``sdpa`` in front of the keys it hands SDPA, and the
 kernels that return the row log-sum-exp (``flex``, ``flex_learnable``, ``triton``) merge them with their output.
+
+A local (sliding-window) layer passes its ``window`` (``posenc/attention/window.py``): ``eager`` and ``sdpa`` apply it
+in their masks and ``flex`` in its block mask; ``flex_learnable``, ``triton`` and ``scheme`` refuse it in one line.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class Backend(Protocol):
 
     q (B, H, Lq, D), k and v (B, H, Lk, D), the scheme, q_pos (Lq,), k_pos (Lk,), ``features`` (B, Lk, F): the
     keys' ``token_features`` of a scheme that reads the layer's input (``None`` for every other scheme), and ``sink``:
-    the layer's sink columns (``None`` without one).
+    the layer's sink columns (``None`` without one), and ``window``: a local layer's (``None``: a global layer).
     """
 
     def __call__(
@@ -46,6 +49,7 @@ class Backend(Protocol):
         k_pos: Tensor,
         features: Tensor | None = None,
         sink: SinkColumns | None = None,
+        window: int | None = None,
     ) -> Tensor: ...
 
 

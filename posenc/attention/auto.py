@@ -16,6 +16,9 @@
 - a scheme that supplies its own attention (PaTH, stick-breaking), any device → ``scheme``: the scheme's own
   memory-bounded ``attend`` (no softmax kernel computes it; ``sdpa``, ``flex`` and ``flex_learnable`` refuse it, and
   ``triton`` every one but stick-breaking's, whose ``stick_form`` its fused kernel runs);
+- a local (sliding-window) layer on CUDA: ``flex`` for a scheme without a bias (its block mask skips the blocks
+  outside the window, where SDPA would need a dense mask and leave its flash kernels), and never ``flex_learnable``
+  or ``triton``, which refuse a window: a learnable bias trains through ``flex`` or ``sdpa`` as the rules below say;
 - a sink (``posenc/attention/sink.py``) on CUDA with no bias → ``flex``, which merges it through its row lse in one
   fused kernel (SDPA would take the sink as a wider key and leave its flash kernels); a biased scheme keeps the
   choices above, each of which takes a sink;
@@ -66,17 +69,19 @@ def choose(
     training: bool = True,
     capability: tuple[int, int] | None = None,
     sink: bool = False,
+    local: bool = False,
 ) -> str:
-    """Name of the backend ``auto`` uses for this scheme (with a sink or not) on this device, training or not."""
-    if is_cuda and capability is not None and kernel_kind(encoding) in MEASURED_FASTER.get(capability, frozenset()):
+    """Name of the backend ``auto`` uses for this scheme (with a sink or not, local layer or not) on this device."""
+    measured = MEASURED_FASTER.get(capability, frozenset()) if capability is not None else frozenset()
+    if is_cuda and not local and kernel_kind(encoding) in measured:
         return "triton"
     if encoding.supplies_attention:
         return "scheme"
     if encoding.adds_content_bias or not is_cuda:
         return "sdpa"
     if not encoding.adds_bias:
-        return "flex" if sink else "sdpa"
-    if encoding.learnable_bias and supports(encoding):
+        return "flex" if sink or local else "sdpa"
+    if encoding.learnable_bias and supports(encoding) and not local:
         return "flex_learnable"
     if training and encoding.learnable_bias and not encoding.score_mod_differentiable:
         return "sdpa"
@@ -84,14 +89,26 @@ def choose(
 
 
 def resolved(
-    backend: str, encodings: list[PositionalEncoding], device: torch.device, training: bool = True, sink: bool = False
+    backend: str,
+    encodings: list[PositionalEncoding],
+    device: torch.device,
+    training: bool = True,
+    sink: bool = False,
+    windows: list[int | None] | None = None,
 ) -> dict:
-    """{scheme label: the backend it runs on} for a model built with ``backend``: what a run records it trained with."""
+    """{scheme label: the backend it runs on} for a model built with ``backend``: what a run records it trained with.
+
+    ``windows``: each layer's (``Decoder.layer_windows``); a local layer's scheme is labelled ``local-<label>``.
+    """
     cuda = device.type == "cuda"
     capability = torch.cuda.get_device_capability(device) if cuda and MEASURED_FASTER else None
-    return {
-        enc.label: choose(enc, cuda, training, capability, sink) if backend == "auto" else backend for enc in encodings
-    }
+    windows = windows or [None] * len(encodings)
+    choices = {}
+    for enc, window in zip(encodings, windows, strict=True):
+        local = window is not None
+        label = f"local-{enc.label}" if local else enc.label
+        choices[label] = choose(enc, cuda, training, capability, sink, local) if backend == "auto" else backend
+    return choices
 
 
 def triton_fits(q: Tensor, k: Tensor, encoding: PositionalEncoding) -> bool:
@@ -118,11 +135,13 @@ def auto_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> Tensor:
     # The GPU class is asked only once a measurement is recorded for one: today's choice needs no device query.
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda and MEASURED_FASTER else None
     training, has_sink = torch.is_grad_enabled(), sink is not None
-    backend = choose(encoding, cuda_path(q), training, capability, has_sink)
+    local = window is not None
+    backend = choose(encoding, cuda_path(q), training, capability, has_sink, local)
     if backend == "triton" and not triton_fits(q, k, encoding):  # a shape the kernels refuse: the choice without them
-        backend = choose(encoding, cuda_path(q), training, sink=has_sink)
-    return get_backend(backend)(q, k, v, encoding, q_pos, k_pos, features=features, sink=sink)
+        backend = choose(encoding, cuda_path(q), training, sink=has_sink, local=local)
+    return get_backend(backend)(q, k, v, encoding, q_pos, k_pos, features=features, sink=sink, window=window)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from posenc.attention import register_backend
 from posenc.attention.sink import SinkColumns
+from posenc.attention.window import refuse_window, visible
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import full_precision
 
@@ -30,26 +31,30 @@ def attention_weights(
     k_pos: Tensor,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """fp32 causal attention probabilities (B, H, Lq, Lk) of rotated q (B, H, Lq, D) over rotated k (B, H, Lk, D).
 
     ``features`` (B, Lk, F) are the keys' features of a scheme that reads the layer's input. A scheme that supplies
     its own attention gives its own dense weights. With a ``sink``, (B, H, Lq, C + Lk): its C columns first.
+    A ``window`` (a local layer, ``posenc/attention/window.py``) masks the keys past it like future ones.
     """
     if encoding.supplies_attention:
+        refuse_window("eager", window, f"a global layer for {encoding.label}, whose attention is its own")
         if sink is not None:
             raise ValueError(f"{encoding.label} supplies its own attention, with no softmax row for a sink to join")
         return encoding.attention_weights(q, k, q_pos, k_pos, features)
+    pinned = 0
     if sink is not None and sink.keys is not None:
         k, _, k_pos, features = sink.prepend(k, None, k_pos, features)
+        pinned = sink.width
     scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) / math.sqrt(q.shape[-1])
     bias = encoding.bias(q_pos, k_pos)  # (H, Lq, Lk), added before the mask and before the softmax
     if bias is not None:
         scores = scores + bias
     if encoding.adds_content_bias:  # (B, H, Lq, Lk): reads q and k, so it is not a position table
         scores = scores + encoding.content_bias(q, k, q_pos, k_pos, features=features)
-    causal = k_pos[None, :] <= q_pos[:, None]
-    scores = scores.masked_fill(~causal, float("-inf"))
+    scores = scores.masked_fill(~visible(q_pos, k_pos, window, pinned), float("-inf"))
     if sink is not None and sink.logit is not None:
         scores = torch.cat((sink.scores(q, encoding, q_pos), scores), dim=-1)
     return scores.softmax(dim=-1)
@@ -66,8 +71,9 @@ def eager_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> Tensor:
-    weights = attention_weights(q, k, encoding, q_pos, k_pos, features, sink)  # (B, H, Lq, [C +] Lk)
+    weights = attention_weights(q, k, encoding, q_pos, k_pos, features, sink, window)  # (B, H, Lq, [C +] Lk)
     if encoding.supplies_attention:  # the scheme says what its weights give (a remainder off the values, a norm)
         return encoding.weights_output(weights, v.float()).to(q.dtype)
     if sink is not None:  # a logit's column has no value; the tokens' values come first

@@ -10,6 +10,9 @@ Positions are assumed contiguous and shared by queries and keys (self-attention 
 sees indices ``0..L-1``. A distance-only bias is read from its (H, L) table by i − j (``tables.py``); any other
 score_mod receives the indices shifted by the window's first position.
 
+A local layer's window (``posenc/attention/window.py``) is in the block mask: its blocks wholly outside the window
+are skipped, the rest masked by a mask_mod (``build_window_block_mask``).
+
 A sink (``posenc/attention/sink.py``) is merged with the kernel's output through its row log-sum-exp
 (``SinkColumns.merge``), which FlexAttention returns and differentiates (its backward takes the lse's gradient).
 """
@@ -70,16 +73,63 @@ def build_causal_block_mask(length: int, device: str | torch.device) -> BlockMas
     )
 
 
-@functools.lru_cache(maxsize=32)
-def _cached_causal_block_mask(length: int, device: str) -> BlockMask:
-    return build_causal_block_mask(length, device)
+def windowed(window: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """The mask_mod of a local layer: causal, and at most ``window`` − 1 positions back."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod
 
 
-def causal_block_mask(length: int, device: str) -> BlockMask:
-    """Causal block mask for one length: built once per length, or traced (cheaply) into a compiled graph."""
-    if torch.compiler.is_compiling():  # dynamo would trace through the cache anyway, and warn about it
+def build_window_block_mask(length: int, window: int, device: str | torch.device) -> BlockMask:
+    """A local layer's block mask, written down per block: O((L/128)²) integers, never the (L × L) mask.
+
+    Query block i reads the key blocks that hold a visible key: at or before its own, and not wholly ``window`` or
+    more behind its first query. Those whose every pair is visible (wholly past the diagonal and within the window,
+    and not cut by the sequence's end) are full; the rest partial, evaluated through the mask_mod. Blocks wholly
+    outside the window are skipped: a local layer's cost grows as L · W, not L².
+    """
+    blocks = -(-length // BLOCK)
+    index = torch.arange(blocks, device=device)
+    first, last = index * BLOCK, (index + 1) * BLOCK - 1  # a block's first and last position
+    rows_first, cols_last = first[:, None], last[None, :]
+    seen = (index[None, :] <= index[:, None]) & (rows_first - cols_last < window)
+    whole = last < length  # not cut by the sequence's end
+    full = (rows_first - cols_last >= 0) & (last[:, None] - first[None, :] < window) & whole[:, None] & whole[None, :]
+    partial = seen & ~full
+
+    def listed(chosen: Tensor) -> tuple[Tensor, Tensor]:  # per row: how many, then their indices first, in order
+        order = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)
+        return chosen.sum(dim=1).to(torch.int32)[None, None], order.to(torch.int32)[None, None].contiguous()
+
+    partial_counts, partial_indices = listed(partial)
+    full_counts, full_indices = listed(full)
+    return BlockMask.from_kv_blocks(
+        partial_counts,
+        partial_indices,
+        full_counts,
+        full_indices,
+        BLOCK_SIZE=BLOCK,
+        mask_mod=windowed(window),
+        seq_lengths=(length, length),
+    )
+
+
+def _build(length: int, window: int | None, device: str) -> BlockMask:
+    if window is None or window >= length:  # a window as long as the sequence hides nothing
         return build_causal_block_mask(length, device)
-    return _cached_causal_block_mask(length, device)
+    return build_window_block_mask(length, window, device)
+
+
+_cached_block_mask = functools.lru_cache(maxsize=32)(_build)
+
+
+def causal_block_mask(length: int, device: str, window: int | None = None) -> BlockMask:
+    """Causal (or local) block mask for one length: built once per length, or traced cheaply into a compiled graph."""
+    if torch.compiler.is_compiling():  # dynamo would trace through the cache anyway, and warn about it
+        return _build(length, window, device)
+    return _cached_block_mask(length, window, device)
 
 
 RECOMPILE_LIMIT = 256  # per compiled function: far above what one process needs (see forbid_recompile_fallback)
@@ -221,13 +271,15 @@ def flex_run(
     score_mod: ScoreMod | None,
     return_lse: bool = False,
     options: dict[str, int | str] | None = None,
+    window: int | None = None,
 ) -> Any:
     """Causal FlexAttention with the cached block mask: ``out``, or ``(out, lse)`` with the fp32 natural-log lse.
 
     ``options`` are the kernel options (``kernel_options(encoding, q)``); which kernel runs is ``flex_kernel``'s choice.
+    ``window``: a local layer's (``posenc/attention/window.py``), in the block mask.
     """
     length = q.shape[-2]
-    block_mask = causal_block_mask(length, str(q.device))
+    block_mask = causal_block_mask(length, str(q.device), window)
     kernel = flex_kernel(q)
     if not q.is_cuda and not torch.is_grad_enabled():  # torch refuses CPU inputs that require grad, even here
         q, k, v = q.detach(), k.detach(), v.detach()
@@ -254,6 +306,7 @@ def flex_backend(
     k_pos: Tensor,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> Tensor:
     refuse(encoding, "flex")
     check_self_attention(q, k, q_pos, k_pos)
@@ -270,6 +323,6 @@ def flex_backend(
         )
     mod, options = bias_score_mod(encoding, q, q_pos), kernel_options(encoding, q)
     if sink is None:
-        return flex_run(q, k, v, mod, options=options)
-    out, lse = flex_run(q, k, v, mod, return_lse=True, options=options)
+        return flex_run(q, k, v, mod, options=options, window=window)
+    out, lse = flex_run(q, k, v, mod, return_lse=True, options=options, window=window)
     return sink.merge(out, lse, q, encoding, q_pos)

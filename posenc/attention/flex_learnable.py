@@ -36,6 +36,7 @@ from posenc.attention.flex import bias_score_mod, check_self_attention, flex_run
 from posenc.attention.sdpa import MAX_MASK_ELEMENTS, sdpa_with_bias
 from posenc.attention.sink import SinkColumns
 from posenc.attention.tables import GradientPlan, dense_bias, has_gradient_forms, plan_gradient, table_score_mod
+from posenc.attention.window import refuse_window
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path
 
@@ -138,8 +139,11 @@ def flex_learnable_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> Tensor:
     refuse(encoding, "flex_learnable")
+    # Its gradient forms read every distance of the table (the band pass, the derivative forwards): none knows a window.
+    refuse_window("flex_learnable", window, "attention=flex or sdpa (auto picks one for a local layer)")
     check_self_attention(q, k, q_pos, k_pos)
     if not supports(encoding) and torch.is_grad_enabled():  # without gradients the forward needs no forms
         raise ValueError(

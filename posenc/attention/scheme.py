@@ -14,6 +14,7 @@ from torch import Tensor
 
 from posenc.attention import register_backend
 from posenc.attention.sink import SinkColumns
+from posenc.attention.window import refuse_window
 from posenc.encodings.base import PositionalEncoding
 
 
@@ -27,7 +28,9 @@ def scheme_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> Tensor:
+    refuse_window("scheme", window, f"a global layer for {encoding.label}, whose attention is its own")
     if sink is not None:
         raise ValueError(f"attention=scheme runs {encoding.label}'s own attention, which has no softmax row for a sink")
     if not encoding.supplies_attention:

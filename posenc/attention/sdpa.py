@@ -61,6 +61,7 @@ from torch.nn.attention.bias import causal_lower_right
 from posenc.attention import refuse, refuse_supplied_attention, register_backend
 from posenc.attention.sink import SinkColumns
 from posenc.attention.tables import CpuTableAttention, dense_bias, plan_gradient
+from posenc.attention.window import key_span, visible
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path, full_precision
 
@@ -102,8 +103,10 @@ class MaskCache:
 MASKS = MaskCache(MAX_CACHED_BYTES)
 
 
-def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Hashable | None:
-    """What a causal bias mask depends on (the scheme's ``bias_key``, the positions, the dtype), or ``None``.
+def mask_key(
+    encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype, window: int | None = None
+) -> Hashable | None:
+    """What a causal bias mask depends on (the scheme's ``bias_key``, positions, dtype, window), or ``None``.
 
     The key reads positions and parameter values on the host: free on CPU, a device sync per layer elsewhere, so
     only CPU masks are kept (on a GPU the mask is rebuilt, one elementwise pass). ``None`` also under
@@ -116,7 +119,7 @@ def mask_key(encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, dtype: 
     if scheme is None:
         return None
     positions = tuple(pos.cpu().numpy().tobytes() for pos in (q_pos, k_pos))
-    return scheme, positions, str(q_pos.device), dtype
+    return scheme, positions, str(q_pos.device), dtype, window
 
 
 @register_backend("sdpa", query_suffix=True, refuses=(refuse_supplied_attention,))
@@ -129,23 +132,32 @@ def sdpa_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> Tensor:
     refuse(encoding, "sdpa")
     if sink is not None and not encoding.adds_content_bias:
-        return sdpa_with_sink(q, k, v, encoding, q_pos, k_pos, sink)
+        return sdpa_with_sink(q, k, v, encoding, q_pos, k_pos, sink, window)
+    pinned = 0
     if sink is not None and sink.keys is not None:  # a content bias reads every key in order: the tokens join them
         k, v, k_pos, features = sink.prepend(k, v, k_pos, features)
-        sink = None
+        sink, pinned = None, sink.width
     extra = q.shape[-1] - v.shape[-1]
     if extra > 0:  # q, k wider than v (PoPE): zero channels give v their width, the flash kernels need one
-        return sdpa_attention(q, k, F.pad(v, (0, extra)), encoding, q_pos, k_pos, features, sink)[..., : v.shape[-1]]
+        padded = F.pad(v, (0, extra))
+        if pinned:  # the tokens are keys now: no window hides them
+            out = sdpa_with_content_bias(q, k, padded, encoding, q_pos, k_pos, features, None, window, pinned)
+            return out[..., : v.shape[-1]]
+        return sdpa_attention(q, k, padded, encoding, q_pos, k_pos, features, sink, window)[..., : v.shape[-1]]
     if encoding.adds_content_bias:
         logit = None if sink is None else sink.logit
         if logit is None and not encoding.adds_bias and q.dtype in FOLDED_DTYPES and not cuda_path(q):
             key_term = encoding.key_bias(k, k_pos, features)
             if key_term is not None:
-                return sdpa_with_key_bias(q, k, v, key_term, q_pos, k_pos)
-        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos, features, logit)
+                return sdpa_with_key_bias(q, k, v, key_term, q_pos, k_pos, window, pinned)
+        return sdpa_with_content_bias(q, k, v, encoding, q_pos, k_pos, features, logit, window, pinned)
+    if window is not None:  # a local layer: the window in a mask, with the scheme's bias in it if it has one
+        bias = dense_bias(encoding, k.shape[-2]) if encoding.adds_bias else None
+        return sdpa_with_bias(q, k, v, bias, q_pos, k_pos, mask_key(encoding, q_pos, k_pos, q.dtype, window), window)
     if not encoding.adds_bias:
         if q_pos is k_pos:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -165,43 +177,64 @@ def sdpa_attention(
     return sdpa_with_bias(q, k, v, bias, q_pos, k_pos, key=mask_key(encoding, q_pos, k_pos, q.dtype))
 
 
-def causal_mask(bias: Tensor, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype) -> Tensor:
-    """The fp32 bias (H, Lq, Lk), future keys at -inf, as SDPA's fast kernels take it: (1, H, Lq, Lk) in ``dtype``."""
-    return bias.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf")).to(dtype)[None]
+def causal_mask(
+    bias: Tensor | None, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype, window: int | None = None
+) -> Tensor:
+    """The fp32 bias (H, Lq, Lk), keys not visible at -inf, as SDPA's fast kernels take it: (1, H, Lq, Lk) in ``dtype``.
+
+    Without a bias (a local layer of a scheme with none), the visible keys as a boolean (1, 1, Lq, Lk).
+    """
+    seen = visible(q_pos, k_pos, window)
+    if bias is None:
+        return seen[None, None]
+    return bias.masked_fill(~seen[None], float("-inf")).to(dtype)[None]
 
 
 def sdpa_with_bias(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    bias: Callable[[Tensor, Tensor], Tensor],
+    bias: Callable[[Tensor, Tensor], Tensor] | None,
     q_pos: Tensor,
     k_pos: Tensor,
     key: Hashable | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Causal SDPA with ``bias(q_pos, k_pos)`` (H, Lq, Lk) as a dense mask, built one query chunk at a time.
 
     With a ``key`` (see ``mask_key``), a mask built in one piece is kept in ``MASKS`` and reused; chunked masks are
-    not kept, since together they are the whole (H, L, L) bias the chunking exists to avoid.
+    not kept, since together they are the whole (H, L, L) bias the chunking exists to avoid. ``bias=None``: the mask
+    is the visible keys alone (a local layer of a scheme without a bias), boolean.
     """
-    self_attention = q_pos is k_pos
+
+    def mask_of(chunk_q_pos: Tensor, chunk_k_pos: Tensor) -> Tensor:
+        table = None if bias is None else bias(chunk_q_pos, chunk_k_pos)
+        return causal_mask(table, chunk_q_pos, chunk_k_pos, q.dtype, window)
+
     rows = max(1, MAX_MASK_ELEMENTS // k.shape[-2])
     if q.shape[-2] <= rows:  # one chunk: no loop, so torch.compile keeps the length symbolic
-        mask = MASKS.get(key, lambda: causal_mask(bias(q_pos, k_pos), q_pos, k_pos, q.dtype))
+        mask = MASKS.get(key, lambda: mask_of(q_pos, k_pos))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     chunks = []
     for start in range(0, q.shape[-2], rows):
         end = start + rows
-        # With shared positions, keys after the chunk's last query are all masked: leave them out.
-        keys = slice(0, end) if self_attention else slice(None)
+        # With shared positions, keys after the chunk's last query (or before its window) are masked: left out.
+        keys = key_span(q_pos, k_pos, start, end, window)
         chunk_q_pos, chunk_k_pos = q_pos[start:end], k_pos[keys]
-        mask = causal_mask(bias(chunk_q_pos, chunk_k_pos), chunk_q_pos, chunk_k_pos, q.dtype)  # (1, H, rows, keys)
+        mask = mask_of(chunk_q_pos, chunk_k_pos)  # (1, H or 1, rows, keys)
         chunks.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, keys], v[:, :, keys], attn_mask=mask))
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
 
 
 def sdpa_with_sink(
-    q: Tensor, k: Tensor, v: Tensor, encoding: PositionalEncoding, q_pos: Tensor, k_pos: Tensor, sink: SinkColumns
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    encoding: PositionalEncoding,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    sink: SinkColumns,
+    window: int | None = None,
 ) -> Tensor:
     """Causal SDPA over the sink's columns in front of the keys, for a scheme whose bias reads positions only.
 
@@ -227,16 +260,16 @@ def sdpa_with_sink(
 
     def mask(chunk_q_pos: Tensor, chunk_k_pos: Tensor) -> Tensor:  # (1, 1 or H, rows, C + keys)
         if bias is None:
-            causal = chunk_k_pos[None, :] <= chunk_q_pos[:, None]
+            causal = visible(chunk_q_pos, chunk_k_pos, window)
             return torch.cat((causal.new_ones(len(chunk_q_pos), width), causal), dim=-1)[None, None]
-        keys_part = causal_mask(bias(chunk_q_pos, chunk_k_pos), chunk_q_pos, chunk_k_pos, dtype)
+        keys_part = causal_mask(bias(chunk_q_pos, chunk_k_pos), chunk_q_pos, chunk_k_pos, dtype, window)
         if sink.keys is None:
             front = keys_part.new_zeros(1, heads, len(chunk_q_pos), width)
         else:
             front = encoding.bias(chunk_q_pos, sink.pos).to(dtype)[None]
         return torch.cat((front, keys_part), dim=-1)
 
-    key = mask_key(encoding, q_pos, k_pos, dtype)
+    key = mask_key(encoding, q_pos, k_pos, dtype, window)
     key = None if key is None else (key, "sink", width, sink.keys is None)
     self_attention = q_pos is k_pos
     rows = max(1, MAX_MASK_ELEMENTS // (width + k.shape[-2]))
@@ -280,24 +313,26 @@ def sdpa_with_content_bias(
     k_pos: Tensor,
     features: Tensor | None = None,
     logit: Tensor | None = None,
+    window: int | None = None,
+    pinned: int = 0,
 ) -> Tensor:
     """Causal SDPA with the scheme's content bias (plus its position bias, if any), one query chunk at a time.
 
     ``logit`` (H,): a sink's column, a key and a value of zeros in front of the chunk's keys, scored by the mask alone.
+    ``pinned``: sink tokens in front of the keys, which a ``window`` does not hide.
 
     A scheme that ``reads_scores`` (CoPE, DAPE) gets each chunk's fp32 scaled scores from here on CPU, computed
     once. When the bias needs a gradient, SDPA could only run its math kernel, which computes the same scores a
     second time and takes a safe softmax; the chunk then goes through a plain softmax of those scores plus the
     bias instead (the eager reference's arithmetic). The CUDA path keeps SDPA for every chunk.
     """
-    self_attention = q_pos is k_pos
     batch, heads, length, _ = q.shape
     rows = max(1, content_chunk_elements(q.device) // (batch * heads * k.shape[-2]))
     share_scores = encoding.reads_scores and not cuda_path(q)
     chunks = []
     for start in range(0, length, rows):
         end = start + rows
-        keys = slice(0, end) if self_attention else slice(None)  # later keys are all masked for this chunk
+        keys = key_span(q_pos, k_pos, start, end, window, pinned)  # the keys this chunk's queries may see
         chunk_q, chunk_k, chunk_v = q[:, :, start:end], k[:, :, keys], v[:, :, keys]
         chunk_q_pos, chunk_k_pos = q_pos[start:end], k_pos[keys]
         scores = None
@@ -307,7 +342,7 @@ def sdpa_with_content_bias(
         mask = encoding.content_bias(chunk_q, chunk_k, chunk_q_pos, chunk_k_pos, scores, chunk_features)  # fp32
         if encoding.adds_bias:
             mask = mask + encoding.bias(chunk_q_pos, chunk_k_pos)
-        mask = mask.masked_fill(chunk_k_pos[None, None, None, :] > chunk_q_pos[None, None, :, None], float("-inf"))
+        mask = mask.masked_fill(~visible(chunk_q_pos, chunk_k_pos, window, pinned)[None, None], float("-inf"))
         if logit is not None:
             mask = torch.cat((logit.float()[None, :, None, None].expand(*mask.shape[:-1], 1), mask), dim=-1)
             chunk_k = torch.cat((chunk_k.new_zeros(*chunk_k.shape[:2], 1, chunk_k.shape[-1]), chunk_k), dim=-2)
@@ -324,7 +359,16 @@ def sdpa_with_content_bias(
 FOLDED_DTYPES = (torch.float32, torch.float64)
 
 
-def sdpa_with_key_bias(q: Tensor, k: Tensor, v: Tensor, key_term: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+def sdpa_with_key_bias(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_term: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int | None = None,
+    pinned: int = 0,
+) -> Tensor:
     """Causal SDPA with a bias r_i + t_j given by its key term t (B, H, Lk): t folded into an extra channel.
 
     q gets a channel of ones, k the channel t / scale, v a channel of zeros (dropped from the output), and the scale
@@ -334,7 +378,6 @@ def sdpa_with_key_bias(q: Tensor, k: Tensor, v: Tensor, key_term: Tensor, q_pos:
     within a chunk's span of decay instead of a running sum that grows with the position, which keeps fp32 exact
     enough at any length. No (Lq × Lk) float tensor exists: the mask is boolean, and SDPA takes its flash kernel.
     """
-    self_attention = q_pos is k_pos
     scale = q.shape[-1] ** -0.5
     rows = max(1, min(MAX_FOLDED_ROWS, MAX_MASK_ELEMENTS // k.shape[-2]))
     ones = q.new_ones(*q.shape[:-1], 1)
@@ -342,12 +385,12 @@ def sdpa_with_key_bias(q: Tensor, k: Tensor, v: Tensor, key_term: Tensor, q_pos:
     chunks = []
     for start in range(0, q.shape[-2], rows):
         end = start + rows
-        keys = slice(0, end) if self_attention else slice(None)  # later keys are all masked for this chunk
+        keys = key_span(q_pos, k_pos, start, end, window, pinned)  # the keys this chunk's queries may see
         term = key_term[..., keys]
         term = term - term.detach().amax(dim=-1, keepdim=True)
         chunk_k = torch.cat([k[:, :, keys], (term / scale).to(k.dtype)[..., None]], dim=-1)
         chunk_q = torch.cat([q[:, :, start:end], ones[:, :, start:end]], dim=-1)
-        causal = (k_pos[keys][None, :] <= q_pos[start:end][:, None])[None, None]
+        causal = visible(q_pos[start:end], k_pos[keys], window, pinned)[None, None]
         out = F.scaled_dot_product_attention(chunk_q, chunk_k, padded_v[:, :, keys], attn_mask=causal, scale=scale)
         chunks.append(out[..., :-1])
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)

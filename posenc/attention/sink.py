@@ -128,14 +128,20 @@ class Sink(nn.Module):
             self.keys = nn.Parameter(torch.randn(heads, tokens, head_dim) * TOKEN_INIT_STD)
             self.values = nn.Parameter(torch.randn(heads, tokens, head_dim) * TOKEN_INIT_STD)
 
-    def in_front(self, k: Tensor, v: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The unrotated tokens in front of the window's keys (B, H, k + Lk, D), values, positions: for the rotation."""
+    def in_front(
+        self, k: Tensor, v: Tensor, k_pos: Tensor, origin: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The unrotated tokens in front of the window's keys (B, H, k + Lk, D), values, positions: for the rotation.
+
+        ``origin`` (1,): the window's first position, when the keys no longer start there (a local layer's rolling
+        cache); the first key's position otherwise.
+        """
         if not self.tokens:
             return k, v, k_pos
         batch = k.shape[0]
         keys = self.keys.to(k.dtype)[None].expand(batch, -1, -1, -1)
         values = self.values.to(v.dtype)[None].expand(batch, -1, -1, -1)
-        pos = k_pos[:1].expand(self.tokens)  # the window's first position
+        pos = (k_pos[:1] if origin is None else origin).expand(self.tokens)  # the window's first position
         return torch.cat((keys, k), dim=-2), torch.cat((values, v), dim=-2), torch.cat((pos, k_pos))
 
     def columns(self, k: Tensor, v: Tensor, k_pos: Tensor) -> tuple[SinkColumns, Tensor, Tensor]:

@@ -51,6 +51,7 @@ from posenc.attention.triton_launch import (
     table_gradient_buffer,
 )
 from posenc.attention.triton_stick import refuse_deterministic, stick_attention
+from posenc.attention.window import refuse_window
 from posenc.encodings.base import PositionalEncoding
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128  # tl.dot needs ≥ 16; past 128 the tiles no longer fit in registers
@@ -220,7 +221,10 @@ def triton_attention(
     k_pos: Tensor,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> Tensor:
+    # Its tiles run from the first key block to the diagonal, with no bound a window could set.
+    refuse_window("triton", window)
     check_supported(q, k, v, encoding, q_pos, k_pos)
     form = encoding.stick_form()
     if form is not None:

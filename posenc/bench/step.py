@@ -20,7 +20,8 @@ from posenc.bench.attention import record_failure, resolve_dtype, timed_ms
 from posenc.bench.profile import profile_step
 from posenc.config import CONF_DIR, encoding_choices, to_container
 from posenc.encodings.length import scale_to_length
-from posenc.model import Decoder, encoding_label
+from posenc.layout import encoding_label
+from posenc.model import Decoder
 from posenc.training.compiling import compile_blocks, should_compile
 
 

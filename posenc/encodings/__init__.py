@@ -23,6 +23,8 @@ T = TypeVar("T", bound=type[PositionalEncoding])
 
 def register(cls: T) -> T:
     """Class decorator: make a scheme buildable by its ``name``."""
+    if "-" in cls.name or "+" in cls.name:  # a layer's kind and a stack's members are read from these
+        raise ValueError(f"a scheme's name may hold neither '-' nor '+', got {cls.name!r}")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"two schemes are registered as {cls.name!r}: {_REGISTRY[cls.name]} and {cls}")
     _REGISTRY[cls.name] = cls
@@ -53,8 +55,30 @@ def scheme_class(name: str) -> type[PositionalEncoding]:
     return _REGISTRY[name]
 
 
+# A layer of a schedule is global (every earlier key) or local (a sliding window of keys): ``"local-rope"`` names a
+# local RoPE layer, ``"rope"`` (or ``"global-rope"``) a global one. The kind is the backbone's; the scheme the rest. A
+# hyphen, which no scheme's name holds, keeps the name a valid config key and command-line override, and a run's
+# directory name valid on every file system.
+LAYER_KINDS = ("global", "local")
+
+
+def layer_kind(entry: str) -> tuple[str, str]:
+    """``"local-rope+alibi"`` → ``("local", "rope+alibi")``; an entry without a kind is global."""
+    if "-" not in entry:
+        return "global", entry
+    kind, _, scheme = entry.partition("-")
+    kind = kind.strip()
+    if kind not in LAYER_KINDS:
+        raise ValueError(
+            f"layer kind {kind!r} in {entry!r} must be one of {', '.join(LAYER_KINDS)}, e.g. local-rope for a "
+            "sliding-window RoPE layer"
+        )
+    return kind, scheme.strip()
+
+
 def stack_members(name: str) -> list[str]:
-    """Member names of ``"a+b+c"`` (one name for a single scheme); empty members fail clearly."""
+    """Member names of ``"a+b+c"`` (one name for a single scheme), after any layer kind; empty members fail clearly."""
+    name = layer_kind(name)[1]
     parts = [part.strip() for part in name.split("+")]
     if not name.strip() or any(not part for part in parts):
         raise ValueError(f"empty scheme name in {name!r}; available: {', '.join(available())}")

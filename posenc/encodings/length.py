@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from posenc.encodings import scheme_class, stack_members
+from posenc.encodings import LAYER_KINDS, layer_kind, scheme_class, stack_members
 from posenc.encodings.base import PositionalEncoding
 
 
@@ -52,6 +52,26 @@ class LengthScaled:
             share = f"{self.ratio:g}·L"
         floor = f", at least {self.minimum:g}" if self.minimum > 1 else ""
         return f"{share}{floor} ({self.paper})"
+
+
+# A local layer's window when the config leaves it unset: half the training length, as Gemma 2 trained (4,096 of 8,192).
+WINDOW = LengthScaled(1 / 2, "Gemma 2: 4,096 at L = 8,192")
+
+
+def _window(spec: dict[str, Any], train_length: int) -> dict[str, Any]:
+    """Resolve a layout's ``window`` in place (keys, from a fraction of L or the default); its record, if any."""
+    names = spec["name"]
+    entries = [names] if isinstance(names, str) else [str(entry) for entry in names]
+    given = spec.get("window")
+    if not any(layer_kind(entry)[0] == "local" for entry in entries):
+        return {}
+    if given is None:
+        spec["window"] = WINDOW.at(train_length)
+        return {"window": {"value": spec["window"], "rule": WINDOW.rule}}
+    if isinstance(given, float) and 0 < given < 1:
+        spec["window"] = max(1, math.ceil(given * train_length))
+        return {"window": {"value": spec["window"], "rule": f"{given:g}·L (given as a fraction)"}}
+    return {"window": {"value": given, "rule": "given"}}
 
 
 def _members(spec: Mapping[str, Any]) -> tuple[list[str], bool]:
@@ -85,8 +105,11 @@ def scale_to_length(
         earlier_members, earlier_keyed = _members(inherited)
         earlier = inherited if earlier_keyed == keyed else {}
         earlier = {} if not set(members) & set(earlier_members) else earlier
-    for member in members:
-        rules = scheme_class(member).length_settings
+    kinds = {f"{kind}-{member}": member for kind in LAYER_KINDS for member in members}
+    # A local layer's own options (``local-<member>``) are resolved as the member's are.
+    blocks = [*members, *(key for key in kinds if isinstance(resolved.get(key), Mapping))] if keyed else members
+    for member in blocks:
+        rules = scheme_class(kinds.get(member, member)).length_settings
         if not rules:
             continue
         options = resolved.setdefault(member, {}) if keyed else resolved
@@ -101,6 +124,7 @@ def scale_to_length(
             else:
                 options[setting] = rule.at(train_length)
                 record[key] = {"value": options[setting], "rule": rule.rule}
+    record.update(_window(resolved, train_length))
     return resolved, record
 
 

@@ -101,3 +101,33 @@ class LengthScaling(PositionalEncoding):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, train_length={self.train_length}"
+
+
+class TemperatureTuning(PositionalEncoding):
+    """Llama 4's attention temperature on q: 1 + β · log(⌊(i + 1) / F⌋ + 1) at position i (evaluation only).
+
+    Llama 4 scales the queries of its global (NoPE) layers so at position i, with β = 0.1 (``attn_scale``) and F its
+    local chunk of 8,192 tokens (``floor_scale``): 1 within the first F positions, then growing with log of how many
+    F-long stretches the query has behind it (the form of its reference code, ``attn_temperature_tuning``). Here F is
+    the local layers' window, as Llama 4's floor equals its chunk. Not registered: what
+    ``eval.attention_scale=llama4`` stacks on each global layer of a layout.
+    """
+
+    name = "llama4"
+    rotates = True
+    shift_invariant = False  # the factor reads the query's position, not a distance
+    scales_with_length = True
+    BETA = 0.1
+
+    def __init__(self, num_heads: int, head_dim: int, floor: int) -> None:
+        super().__init__(num_heads, head_dim)
+        if floor < 1:
+            raise ValueError(f"the temperature's floor counts positions and must be ≥ 1, got {floor}")
+        self.floor = int(floor)
+
+    def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        stretches = torch.floor((q_pos.to(torch.float32) + 1) / self.floor)
+        return scale_queries(q, 1 + self.BETA * torch.log(stretches + 1)), k
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, floor={self.floor}"

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from posenc.encodings.base import PositionalEncoding
-from posenc.encodings.ssmax import LengthScaling
+from posenc.encodings.ssmax import LengthScaling, TemperatureTuning
 from posenc.encodings.stack import Stack
 from posenc.evaluate.attention_stats import attention_stats_by_length, attention_summary, stats_windows
 from posenc.evaluate.bias_curve import first_layer_bias
@@ -82,13 +82,15 @@ def apply_context_scaling(model: nn.Module, eval_cfg: dict[str, Any], run_info: 
 
 @contextmanager
 def attention_scaling(model: nn.Module, eval_cfg: dict[str, Any], run_info: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """While open, every layer's queries scaled by max(1, log n / log L_train) as ``eval.attention_scale`` asks.
+    """While open, the global layers' queries scaled with length as ``eval.attention_scale`` asks.
 
-    ``log_n`` stacks ``LengthScaling`` (``posenc/encodings/ssmax.py``, which says why this form) on each layer's
-    scheme, for any scheme: a stack is a scheme, so backends, cached decoding and attention statistics see it like
-    any other. The layers get their own schemes back on exit, so the model's parameters and checkpoints never
-    change. Yields the run info the evaluation reports: the label names the scaling (``alibi · log_n``) and
-    ``attention_scale`` records it, as ``rope_scaling`` is recorded.
+    ``log_n`` stacks ``LengthScaling`` (max(1, log n / log L_train), ``posenc/encodings/ssmax.py``, which says why this
+    form) on each global layer's scheme, for any scheme: a stack is a scheme, so backends, cached decoding and attention
+    statistics see it like any other. A local layer's rows hold at most its window of keys, never more than it trained
+    with, where the factor is 1. ``llama4`` stacks Llama 4's temperature (``TemperatureTuning``) on the global layers
+    of a layout with local ones, floored at their window. The layers get their own schemes back on exit, so the
+    model's parameters and checkpoints never change. Yields the run info the evaluation reports: the label names the
+    scaling (``alibi · log_n``) and ``attention_scale`` records it, as ``rope_scaling`` is recorded.
     """
     scale = eval_cfg.get("attention_scale")
     if scale is None:
@@ -101,9 +103,20 @@ def attention_scaling(model: nn.Module, eval_cfg: dict[str, Any], run_info: dict
             "with a length scaling of its own (ssmax); leave eval.attention_scale null"
         )
     train_len, originals = int(run_info["train_len"]), [attention.encoding for attention in attentions]
+    windows = [attention.window for attention in attentions if attention.window is not None]
+    if scale == "llama4" and not windows:
+        raise ValueError(
+            f"eval.attention_scale=llama4 floors its temperature at the local layers' window, and {run_info['label']} "
+            "has no local layer: use it with a layout (irope), or eval.attention_scale=log_n"
+        )
     try:
         for attention, encoding in zip(attentions, originals, strict=True):
-            scaling = LengthScaling(encoding.num_heads, encoding.head_dim, train_len)
+            if attention.window is not None:
+                continue
+            if scale == "llama4":
+                scaling = TemperatureTuning(encoding.num_heads, encoding.head_dim, max(windows))
+            else:
+                scaling = LengthScaling(encoding.num_heads, encoding.head_dim, train_len)
             attention.encoding = Stack([encoding, scaling])
         yield {**run_info, "label": f"{run_info['label']} · {scale}", "attention_scale": scale}
     finally:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.evaluate.plots import plot_lines
-from posenc.model import encoding_label
+from posenc.layout import encoding_label
 from posenc.report.tuning import in_length_loss
 
 MEASURE = (

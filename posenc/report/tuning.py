@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.jsonio import write_text
-from posenc.model import encoding_label
+from posenc.layout import encoding_label
 from posenc.report.retrieval import validation_curve
 
 SELECTION_FILE = "selection.json"

@@ -120,7 +120,7 @@ def apply_tuning(config: Mapping[str, Any]) -> dict[str, Any]:
     path = (config.get("optim") or {}).get("tuned")
     if path is None:
         return dict(config)
-    from posenc.model import encoding_label
+    from posenc.layout import encoding_label
 
     try:
         selection = read_json(Path(str(path)).expanduser())

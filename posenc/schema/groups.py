@@ -47,7 +47,7 @@ PRECISIONS = Literal[
     "auto", "transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
     "32-true", "64-true", "64", "32", "16", "bf16", 64, 32, 16,
 ]  # fmt: skip
-ATTENTION_SCALES = Literal["log_n"]
+ATTENTION_SCALES = Literal["log_n", "llama4"]
 SEED = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 

@@ -150,9 +150,11 @@ def fit(
         )
         evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task, drift)
         callbacks.append(evaluation)
-        # The other protocol from the same run: sliding windows at each stride fixed in advance, beside eval/.
+        # The other protocol from the same run: sliding windows at each stride fixed in advance, beside eval/. The
+        # attention statistics read the same windows whatever the protocol: the end-of-training evaluation's serve.
         for fraction in [] if task else config["eval"].get("sliding_fractions") or []:
             sliding = {**config["eval"], "mode": "sliding", "stride": None, "stride_fraction": fraction}
+            sliding["attention_stats"] = False
             callbacks.append(ExtrapolationEval(info, sliding, run_dir / sliding_dir(fraction), stream, task, drift))
     # Checkpoints written whole or not at all, beside where they land, the one before kept (runs/checkpoint_io.py).
     trainer_cfg["plugins"] = [*(trainer_cfg.get("plugins") or []), AtomicCheckpointIO()]
@@ -228,6 +230,7 @@ def fit(
                 module.model.layer_encodings,
                 module.device,
                 sink=module.model.sink != "none",
+                windows=module.model.layer_windows,
             ),
         },
         "checkpoint": str(run_dir / CHECKPOINT),
