@@ -100,3 +100,12 @@ def precision_context(precision: str, device: torch.device) -> contextlib.Abstra
     if number not in AUTOCAST_DTYPES:
         raise ValueError(f"unknown trainer.precision {precision!r}: use 32-true, bf16-mixed or 16-mixed")
     return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[number])
+
+
+def softplus(z: Tensor) -> Tensor:
+    """log(1 + eᶻ), written as −log σ(−z), the same number: what a scheme uses for a softplus of activations.
+
+    torch 2.13's compiled backward of ``F.softplus`` (and of −softplus) over activations fails with a view of a
+    non-contiguous gradient in the CUDA-path training step; log σ's does not.
+    """
+    return -torch.nn.functional.logsigmoid(-z)

@@ -17,6 +17,7 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SPLITS = ("train", "validation", "test")
 
@@ -139,3 +140,11 @@ def hf_corpus(path: str, name: str | None = None, text_column: str = "text") -> 
     # WikiText stores one line per row; joining rows restores the running text the papers evaluate on.
     documents = {split: ["".join(dataset[split][text_column]).encode("utf-8")] for split in SPLITS}
     return Corpus(name=f"hf:{path}/{name}" if name else f"hf:{path}", documents=documents)
+
+
+def load_corpus(kind: str, **options: Any) -> Corpus:
+    """Build a corpus from its config: ``stdlib``, ``text`` (``paths``) or ``hf`` (``path``, ``name``)."""
+    builders = {"stdlib": stdlib_corpus, "text": text_corpus, "hf": hf_corpus}
+    if kind not in builders:
+        raise ValueError(f"unknown corpus {kind!r}; available: {', '.join(builders)}")
+    return builders[kind](**options)

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from posenc.data.cache import cache_folder, tokenized_splits
-from posenc.data.corpora import Corpus, hf_corpus, stdlib_corpus, text_corpus
+from posenc.data.corpora import load_corpus
 from posenc.data.heldout import document_bounds
 from posenc.data.leakage import overlaps
 from posenc.data.retrieval import evaluation_options, task_dataset
@@ -61,14 +61,6 @@ class ConsecutiveWindows(Dataset):
         start = index * self.seq_len
         window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
-
-
-def load_corpus(kind: str, **options: Any) -> Corpus:
-    """Build a corpus from its config: ``stdlib``, ``text`` (``paths``) or ``hf`` (``path``, ``name``)."""
-    builders = {"stdlib": stdlib_corpus, "text": text_corpus, "hf": hf_corpus}
-    if kind not in builders:
-        raise ValueError(f"unknown corpus {kind!r}; available: {', '.join(builders)}")
-    return builders[kind](**options)
 
 
 class _WindowDataModule(L.LightningDataModule):

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from posenc.data.corpora import Corpus
+from posenc.data.corpora import Corpus, load_corpus
 
 SHINGLE_LINES = 5
 NEAR_DUPLICATE = 0.8
@@ -92,8 +92,6 @@ def summary(found: list[Overlap]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from posenc.data.datamodule import load_corpus  # lightning only for the command line
-
     parser = argparse.ArgumentParser(prog="python -m posenc.data.leakage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="stdlib", choices=("stdlib", "text"))
     parser.add_argument("--paths", nargs="*", help="files or globs for --corpus text")

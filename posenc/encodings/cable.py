@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.fox import GATE_STD, ForgetGateBias
-from posenc.runtime import full_precision
+from posenc.runtime import full_precision, softplus
 
 
 @register
@@ -43,15 +43,8 @@ class Cable(ForgetGateBias):
 
     @full_precision
     def token_features(self, x: Tensor) -> Tensor:
-        """−softplus(w · x + b) (B, L, H) in fp32: each token's log-gate, what a KV cache keeps beside the keys.
-
-        Written as log σ(−z), the same number: torch 2.13's compiled backward of −softplus over the layer input fails
-        with a view of a non-contiguous gradient in the CUDA-path step, and log σ's does not.
-        """
-        return F.logsigmoid(-F.linear(x.float(), self.step_weight.float(), self.step_bias.float()))
-
-    def log_gates(self, k: Tensor, features: Tensor | None) -> Tensor:
-        return self.require_features(features).transpose(1, 2)  # (B, H, Lk)
+        """−softplus(w · x + b) (B, L, H) in fp32: each token's log-gate, what a KV cache keeps beside the keys."""
+        return -softplus(F.linear(x.float(), self.step_weight.float(), self.step_bias.float()))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, steps from the layer input"

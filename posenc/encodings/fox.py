@@ -50,8 +50,12 @@ class ForgetGateBias(PositionalEncoding):
     adds_content_bias = True
 
     def log_gates(self, k: Tensor, features: Tensor | None) -> Tensor:
-        """Log f (B, H, Lk) fp32 of every key position, from the keys (B, H, Lk, D) or their ``features``."""
-        raise NotImplementedError
+        """Log f (B, H, Lk) fp32 of every key position, from the keys (B, H, Lk, D) or their ``features``.
+
+        By default the features are the log-gates (B, Lk, H), read from the layer's input (FoX, CABLE); a scheme whose
+        gates come from the keys (data-dependent ALiBi) computes them here instead.
+        """
+        return self.require_features(features).transpose(1, 2)
 
     def key_bias(self, k: Tensor, k_pos: Tensor, features: Tensor | None = None) -> Tensor:
         """−c(k_pos[j]) (B, H, Lk): along a row the bias c(i) − c(j) varies only through the key's −c(j)."""
@@ -97,9 +101,6 @@ class ForgettingTransformer(ForgetGateBias):
     def token_features(self, x: Tensor) -> Tensor:
         """Log f (B, L, H) in fp32 from the layer's input x (B, L, dim): what a KV cache keeps beside the keys."""
         return F.logsigmoid(F.linear(x.float(), self.gate_weight.float(), self.gate_bias.float()))
-
-    def log_gates(self, k: Tensor, features: Tensor | None) -> Tensor:
-        return self.require_features(features).transpose(1, 2)  # (B, H, Lk)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, init={self.init}, gate from the layer input"

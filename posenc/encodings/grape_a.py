@@ -24,16 +24,7 @@ from torch import Tensor, nn
 from posenc.encodings import register
 from posenc.encodings.alibi import alibi_slopes
 from posenc.encodings.base import PositionalEncoding
-from posenc.runtime import full_precision
-
-
-def softplus(z: Tensor) -> Tensor:
-    """log(1 + eᶻ), written as −log σ(−z), the same number.
-
-    torch 2.13's compiled backward of ``F.softplus`` over activations fails with a view of a non-contiguous gradient
-    in the CUDA-path training step; log σ's does not.
-    """
-    return -F.logsigmoid(-z)
+from posenc.runtime import full_precision, softplus
 
 
 @register
