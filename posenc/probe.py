@@ -22,8 +22,9 @@ from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import eager_modules
 
 # visit(layer index, rotated q (B, H, L, D), rotated k (B, H, L, D), the layer's scheme, positions (L,), the keys'
-# features (B, L, F) for a scheme that reads the layer's input, else None, the layer's sink columns, else None)
-Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor, Tensor | None, SinkColumns | None], None]
+# features (B, L, F) for a scheme that reads the layer's input, else None, the layer's sink columns, else None, and
+# its window: a local layer's, else None)
+Visit = Callable[[int, Tensor, Tensor, PositionalEncoding, Tensor, Tensor | None, SinkColumns | None, int | None], None]
 
 MAX_MAP_ELEMENTS = 1 << 26  # one layer's (B, H, L, L) maps: 256 MiB of fp32
 
@@ -37,7 +38,7 @@ def visit_layers(model: nn.Module, tokens: Tensor, visit: Visit) -> Tensor:
         def hook(attention: nn.Module, args: tuple, index: int = index) -> None:
             x, pos = args[0], args[1]
             q, k, _, k_pos, features, sink = attention.project(x, pos)
-            visit(index, q, k, attention.encoding, k_pos, features, sink)
+            visit(index, q, k, attention.encoding, k_pos, features, sink, attention.window)
 
         handles.append(block.attn.register_forward_pre_hook(hook))
     try:
@@ -74,9 +75,10 @@ def attention_maps(model: nn.Module, tokens: Tensor, layer: int) -> Tensor:
         pos: Tensor,
         features: Tensor | None,
         sink: SinkColumns | None,
+        window: int | None,
     ) -> None:
         if index == wanted:
-            weights = attention_weights(q, k, encoding, pos, pos, features, sink)
+            weights = attention_weights(q, k, encoding, pos, pos, features, sink, window)
             maps.append(weights if sink is None else weights[..., sink.width :])
 
     was_training = model.training

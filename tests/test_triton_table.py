@@ -304,3 +304,37 @@ def test_the_bias_stage_checks_the_fused_kernels_values_and_catches_a_wrong_one(
     monkeypatch.setattr(bias_values, "get_backend", lambda name: off if name == "triton" else get_backend(name))
     wrong = bias_values.check(enc, 1, 39, HEAD_DIM, torch.float32, deterministic=False)
     assert not wrong["ok"] and not wrong["errors"]["out"]["ok"]
+
+
+def _windowed(backend: str, name: str, length: int, window: int) -> list[torch.Tensor]:
+    torch.manual_seed(8)
+    enc = make(name, heads=HEADS, head_dim=HEAD_DIM).to(DEVICE)
+    with torch.no_grad():  # scheme parameters away from their start, so each one's gradient matters
+        for param in enc.parameters():
+            param.add_(0.3 * torch.randn_like(param)).abs_()
+    pos = torch.arange(length, device=DEVICE)
+    q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM).to(DEVICE).requires_grad_() for _ in range(3))
+    rotated_q, rotated_k = enc.rotate(q, k, pos, pos)
+    out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos, window=window)
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in enc.parameters() if p.requires_grad)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("window", [1, 7, 16, 33, 70])
+def test_a_local_layer_skips_the_blocks_outside_its_window_and_matches_eager(
+    monkeypatch: pytest.MonkeyPatch, window: int, deterministic: bool
+) -> None:
+    # 70 positions in tiles of 16 × 32 (square 16 when deterministic): query blocks whose first tiles hold no key in
+    # their window, rows with no visible key in the first tile they read, a window of one, one past the length.
+    monkeypatch.setattr(triton_launch, "BLOCK_M", 16)
+    monkeypatch.setattr(triton_launch, "BLOCK_N", 32)
+    name = "kerple_log+t5" if window % 2 else "alibi"
+    expected = _windowed("eager", name, 70, window)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got = _windowed("triton", name, 70, window)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for index, (value, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(value, reference, atol=2e-5, rtol=1e-4, msg=lambda m, i=index: f"tensor {i}: {m}")

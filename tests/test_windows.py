@@ -81,8 +81,9 @@ def _grads(backend: str, name: str, window: int, sink_kind: str | None = None) -
 
 
 def _backends(name: str) -> list[str]:
-    # flex_learnable and triton refuse a window (tested below); auto picks among the rest.
-    return [b for b in ("sdpa", "auto", "flex") if _accepts(b, name)]
+    # flex_learnable refuses a window (tested below); auto picks among the rest. triton runs under Triton's
+    # interpreter here (tests/test_triton_table.py: many tiles, deterministic mode).
+    return [b for b in ("sdpa", "auto", "flex", "triton") if _accepts(b, name)]
 
 
 def _assert_all_close(got: list[torch.Tensor], expected: list[torch.Tensor], backend: str) -> None:
@@ -215,7 +216,7 @@ def test_a_layout_refuses_what_it_cannot_build_in_one_line(encoding: dict, messa
 
 @pytest.mark.parametrize("backend", ["triton", "flex_learnable", "scheme"])
 def test_backends_without_a_window_refuse_it(backend: str) -> None:
-    name = "stick_breaking" if backend == "scheme" else "kerple_log"
+    name = "kerple_log" if backend == "flex_learnable" else "stick_breaking"  # triton: its stick-breaking kernel
     enc = make(name, head_dim=HEAD_DIM)
     q = k = v = torch.randn(1, HEADS, 8, HEAD_DIM)
     pos = torch.arange(8)
@@ -293,3 +294,45 @@ def test_llama4_temperature_is_its_formula_on_the_global_layers_only() -> None:
         attention_scaling(Decoder("rope", vocab_size=40, dim=32, depth=2), {"attention_scale": "llama4"}, info),
     ):
         pass
+
+
+def test_maps_statistics_and_the_logit_probe_see_a_local_layer_as_it_attends() -> None:
+    from posenc.attention.window import visible
+    from posenc.evaluate.attention_stats import attention_statistics
+    from posenc.training.stability import max_attention_logit
+
+    torch.manual_seed(10)
+    model = _layout("alibi", attention="sdpa").eval()
+    tokens = torch.randint(1, 40, (2, 24))
+    tokens[:, 0] = 0  # a first token whose key stands out: most queries that would score it highest are past W
+    with torch.no_grad():
+        model.token_embedding.weight[0] *= 30
+    pos = torch.arange(24)
+    maps = model.attention_maps(tokens, 0)
+    outside = (pos[:, None] - pos[None, :]) >= WINDOW
+    assert torch.equal(maps[..., outside], torch.zeros_like(maps[..., outside]))
+    torch.testing.assert_close(maps.sum(-1), torch.ones(maps.shape[:-1]))
+    # The statistics read the same rows: queries 1..L-1, averaged over the batch, per head.
+    rows = {(row["layer"], row["head"]): row for row in attention_statistics(model, tokens)}
+    distance = (pos[:, None] - pos[None, :]).clamp(min=0).float()
+    for head in range(HEADS):
+        torch.testing.assert_close(rows[0, head]["sink"], maps[:, head, 1:, 0].mean().item(), atol=1e-6, rtol=1e-5)
+        expected = (maps[:, head, 1:] * distance[1:]).sum(-1).mean().item()
+        torch.testing.assert_close(rows[0, head]["distance"], expected, atol=1e-5, rtol=1e-5)
+        assert rows[0, head]["distance"] < WINDOW
+    # The probe's largest logit is over the pairs each layer attends to: a local layer's window, not its whole row.
+    model = Decoder({"name": "local-alibi", "window": WINDOW}, vocab_size=40, dim=32, depth=2, heads=HEADS).eval()
+    with torch.no_grad():
+        model.token_embedding.weight[0] *= 30
+    largest = {True: -float("inf"), False: -float("inf")}
+    with torch.no_grad():
+        x = model.token_embedding(tokens)
+        for block in model.blocks:
+            q, k, *_ = block.attn.project(block.attn_norm(x), pos)
+            scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+            for windowed in (True, False):
+                seen = visible(pos, pos, block.attn.window if windowed else None)
+                largest[windowed] = max(largest[windowed], scores.masked_fill(~seen, -float("inf")).max().item())
+            x = block(x, pos)
+    torch.testing.assert_close(max_attention_logit(model, tokens), largest[True], atol=1e-5, rtol=1e-5)
+    assert largest[True] < largest[False]  # the window hides the pair that scores highest: the check has teeth

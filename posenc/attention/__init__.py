@@ -17,7 +17,8 @@ front of the keys: ``eager`` puts them in its dense softmax, ``sdpa`` in front o
 kernels that return the row log-sum-exp (``flex``, ``flex_learnable``, ``triton``) merge them with their output.
 
 A local (sliding-window) layer passes its ``window`` (``posenc/attention/window.py``): ``eager`` and ``sdpa`` apply it
-in their masks and ``flex`` in its block mask; ``flex_learnable``, ``triton`` and ``scheme`` refuse it in one line.
+in their masks, ``flex`` in its block mask and ``triton``'s table kernel in its tiles; ``flex_learnable`` and the
+schemes' own attentions (``scheme``, stick-breaking's kernel) refuse it in one line.
 """
 
 from __future__ import annotations

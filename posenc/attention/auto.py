@@ -17,8 +17,8 @@
   memory-bounded ``attend`` (no softmax kernel computes it; ``sdpa``, ``flex`` and ``flex_learnable`` refuse it, and
   ``triton`` every one but stick-breaking's, whose ``stick_form`` its fused kernel runs);
 - a local (sliding-window) layer on CUDA: ``flex`` for a scheme without a bias (its block mask skips the blocks
-  outside the window, where SDPA would need a dense mask and leave its flash kernels), and never ``flex_learnable``
-  or ``triton``, which refuse a window: a learnable bias trains through ``flex`` or ``sdpa`` as the rules below say;
+  outside the window, where SDPA would need a dense mask and leave its flash kernels), and never ``flex_learnable``,
+  which refuses a window: a learnable bias trains through ``flex`` or ``sdpa`` as the rules below say;
 - a sink (``posenc/attention/sink.py``) on CUDA with no bias → ``flex``, which merges it through its row lse in one
   fused kernel (SDPA would take the sink as a wider key and leave its flash kernels); a biased scheme keeps the
   choices above, each of which takes a sink;
@@ -73,7 +73,7 @@ def choose(
 ) -> str:
     """Name of the backend ``auto`` uses for this scheme (with a sink or not, local layer or not) on this device."""
     measured = MEASURED_FASTER.get(capability, frozenset()) if capability is not None else frozenset()
-    if is_cuda and not local and kernel_kind(encoding) in measured:
+    if is_cuda and kernel_kind(encoding) in measured:
         return "triton"
     if encoding.supplies_attention:
         return "scheme"

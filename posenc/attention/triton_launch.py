@@ -178,16 +178,26 @@ def check_device(q: Tensor, kernel: str = "forward") -> ModuleType:
 
 
 def forward_launch(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, table: Tensor | None, capability: tuple[int, int] | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    table: Tensor | None,
+    capability: tuple[int, int] | None,
+    window: int | None = None,
 ) -> Launch:
-    """The forward's launch: a program per (query block, batch × head); ``table`` fp32 (H, L) or None."""
+    """The forward's launch: a program per (query block, batch × head); ``table`` fp32 (H, L) or None.
+
+    ``window``: a local layer's; a global layer passes the length, so both run one kernel.
+    """
     batch, heads, length, head_dim = q.shape
     config = launch_config(q.dtype, head_dim, "forward", capability)
     table_arg = table if table is not None else lse  # lse: a pointer never read
     args = (
         q, k, v, out, lse, table_arg,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), table_arg.stride(0),
-        heads, length, head_dim, 1.0 / math.sqrt(head_dim),
+        heads, length, head_dim, 1.0 / math.sqrt(head_dim), length if window is None else window,
     )  # fmt: skip
     return Launch(
         "forward", (_cdiv(length, config["BLOCK_M"]), batch * heads), args, {"HAS_BIAS": table is not None, **config}
@@ -196,7 +206,7 @@ def forward_launch(
 
 def backward_launches(
     tensors: dict[str, Tensor], table: Tensor | None, bias_grad: bool, deterministic: bool,
-    capability: tuple[int, int] | None,
+    capability: tuple[int, int] | None, window: int | None = None,
 ) -> tuple[Launch, Launch]:  # fmt: skip
     """The dq kernel's launch (a program per query block) and the dk, dv kernel's (a program per key block).
 
@@ -207,7 +217,7 @@ def backward_launches(
     batch, heads, length, head_dim = t["q"].shape
     table_arg = table if table is not None else t["lse"]  # lse: a pointer never read
     shared = (*_strides(t["q"]), *_strides(t["k"]), *_strides(t["v"]), *_strides(t["dout"]), table_arg.stride(0))
-    sizes = (heads, length, head_dim, 1.0 / math.sqrt(head_dim))
+    sizes = (heads, length, head_dim, 1.0 / math.sqrt(head_dim), length if window is None else window)
     kernel = "backward_dq_deterministic" if deterministic else "backward_dq"
     config = launch_config(t["q"].dtype, head_dim, kernel, capability)
     dq = Launch(

@@ -27,6 +27,9 @@ compiles them and reports both). Opt-in only (``attention=triton``): the kernels
 interpreter, against ``eager``, values and gradients; their GPU speed is unmeasured, so ``auto`` picks this backend only
 where a recorded measurement says it is faster (``auto.MEASURED_FASTER``, empty until a GPU has timed it).
 
+A local layer's window (``posenc/attention/window.py``) goes to the table kernels, which mask the keys past it and
+start or end each loop at the first or last tile it reaches; stick-breaking's kernel refuses one.
+
 It refuses, never dropping a bias: a scheme whose bias is not distance-only, anything but self-attention over one
 window (Lq ≠ Lk or different positions, e.g. cached decoding), head dims outside 16..128, fp32 past head dim 64
 (``MAX_FP32_HEAD_DIM``), dtypes other than fp32/bf16/fp16, CPU tensors unless the kernels run under the interpreter
@@ -70,20 +73,25 @@ def _unit_last_stride(t: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("posenc::table_attention", mutates_args=())
-def table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Causal attention with the bias table[h, i − j] (or none): out (B, H, L, D) and the natural row lse (B, H, L)."""
+def table_attention(
+    q: Tensor, k: Tensor, v: Tensor, table: Tensor | None, window: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Causal attention with the bias table[h, i − j] (or none): out (B, H, L, D) and the natural row lse (B, H, L).
+
+    ``window``: a local layer's, the keys fewer than it positions back; ``None`` for a global layer.
+    """
     module = check_device(q)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     batch, heads, length, head_dim = q.shape
     out = torch.empty(batch, heads, length, head_dim, device=q.device, dtype=q.dtype)
     lse = torch.empty(batch, heads, length, device=q.device, dtype=torch.float32)
     table = table.float().contiguous() if table is not None else None
-    forward_launch(q, k, v, out, lse, table, _capability(q)).run(module)
+    forward_launch(q, k, v, out, lse, table, _capability(q), window).run(module)
     return out, lse
 
 
 @table_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, table: Tensor | None, window: int | None = None) -> tuple[Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -98,6 +106,7 @@ def table_attention_backward(
     table: Tensor | None,
     bias_grad: bool,
     dlse: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv and (``bias_grad``) the table's gradient (H, L) fp32; without it an empty (0,) tensor.
 
@@ -116,7 +125,7 @@ def table_attention_backward(
     dtable = table_gradient_buffer(q, deterministic, bias_grad, capability)
     tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta, "dq": dq, "dk": dk, "dv": dv}
     tensors["dtable"] = dtable if bias_grad else lse
-    for launch in backward_launches(tensors, table, bias_grad, deterministic, capability):
+    for launch in backward_launches(tensors, table, bias_grad, deterministic, capability, window):
         launch.run(module)
     if deterministic:  # a fixed order: over batch, then over query blocks, each a torch reduction
         dtable = dtable.view(batch, heads, dtable.shape[1], -1).sum(dim=0).sum(dim=1)[:, :length].contiguous()
@@ -134,6 +143,7 @@ def _(
     table: Tensor | None,
     bias_grad: bool,
     dlse: Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     heads, length = q.shape[1], q.shape[2]
     dtable = q.new_empty((heads, length) if bias_grad else (0,), dtype=torch.float32)
@@ -141,16 +151,17 @@ def _(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, table = inputs
+    q, k, v, table, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, table)
+    ctx.window = rest[0] if rest else None
 
 
 def _backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k, v, out, lse, table = ctx.saved_tensors
     bias_grad = table is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dtable = table_attention_backward(dout, q, k, v, out, lse, table, bias_grad, dlse)
-    return dq, dk, dv, dtable if bias_grad else None
+    dq, dk, dv, dtable = table_attention_backward(dout, q, k, v, out, lse, table, bias_grad, dlse, ctx.window)
+    return dq, dk, dv, dtable if bias_grad else None, None
 
 
 # The lse is saved for the backward, and a caller may differentiate through it (a sink merges with it).
@@ -223,11 +234,11 @@ def triton_attention(
     sink: SinkColumns | None = None,
     window: int | None = None,
 ) -> Tensor:
-    # Its tiles run from the first key block to the diagonal, with no bound a window could set.
-    refuse_window("triton", window)
     check_supported(q, k, v, encoding, q_pos, k_pos)
     form = encoding.stick_form()
     if form is not None:
+        # stick-breaking's kernel has no window; a model refuses a local layer for it before it is built
+        refuse_window("triton", window, f"a global layer for {encoding.label}, whose attention is its own")
         if sink is not None:  # the model refuses the pair before it is built (sink.refuse_sink)
             raise ValueError(
                 f"attention=triton runs {encoding.label}'s own attention, which has no softmax row for a sink"
@@ -235,5 +246,5 @@ def triton_attention(
         refuse_deterministic(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         return form.finish(stick_attention(q, k, v, form.head_bias))
     table = encoding.distance_bias(q.shape[-2]).float() if encoding.adds_bias else None  # (H, L), differentiable
-    out, lse = table_attention(q, k, v, table)
+    out, lse = table_attention(q, k, v, table, window)
     return out if sink is None else sink.merge(out, lse, q, encoding, q_pos)

@@ -38,17 +38,18 @@ def _scores(
     rows,
     cols,
     length,
+    window,
     scale,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Scaled scores plus bias (BLOCK_M, BLOCK_N) in fp32 natural units, and where keys are causal and in range.
+    """Scaled scores plus bias (BLOCK_M, BLOCK_N) in fp32 natural units, and where keys are visible and in range.
 
-    Rows past the length (the last block's padding) keep their causal keys, so the forward's softmax stays finite
-    there; they read no bias, and nothing of them is stored or, in the backward, counted.
+    Visible: causal, and fewer than ``window`` positions back (a global layer passes the length). Rows past the length
+    (the last block's padding) read no bias, and nothing of them is stored or, in the backward, counted.
     """
     distance = rows[:, None] - cols[None, :]
-    causal = (distance >= 0) & (cols[None, :] < length)
+    causal = (distance >= 0) & (distance < window) & (cols[None, :] < length)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     if HAS_BIAS:
         scores += tl.load(table_row + distance, mask=causal & (rows[:, None] < length), other=0.0)
@@ -67,12 +68,13 @@ def _probs_and_dscores(
     rows,
     cols,
     length,
+    window,
     scale,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """P recomputed from the lse, and dS = P ∘ (dO·vᵀ − Δ), both (BLOCK_M, BLOCK_N) fp32, zero outside the mask."""
-    scores, causal = _scores(q, k, table_row, rows, cols, length, scale, HAS_BIAS, PRECISION)
+    scores, causal = _scores(q, k, table_row, rows, cols, length, window, scale, HAS_BIAS, PRECISION)
     valid = causal & (rows[:, None] < length)
     probs = tl.where(valid, tl.exp2((scores - lse[:, None]) * LOG2E), 0.0)
     dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)

@@ -8,8 +8,9 @@ as StreamingLLM keeps its sink tokens beside a rolling window.
 
 Every backend takes ``window`` (``None``: a global layer) and applies it where it applies causality, before the
 softmax: ``eager`` and ``sdpa`` in their masks, with a query chunk's keys cut to those its window reaches, ``flex``
-in its block mask, whose blocks wholly outside the window are skipped. A backend that cannot honour a window refuses
-it in one line (``refuse_window``) rather than attend globally.
+in its block mask, whose blocks wholly outside the window are skipped, ``triton``'s table kernel in its tiles' mask and
+loop bounds. A backend that cannot honour a window refuses it in one line (``refuse_window``) rather than attend
+globally: ``flex_learnable``, and the schemes' own attentions (``scheme``, stick-breaking's kernel).
 """
 
 from __future__ import annotations

@@ -46,10 +46,13 @@ def layer_sums(
     max_scores: int,
     features: Tensor | None = None,
     sink: SinkColumns | None = None,
+    window: int | None = None,
 ) -> dict[str, Tensor]:
     """Per head (H,): the statistics summed over queries 1..L-1 of every window, and ``queries`` counted.
 
-    ``features`` (B, L, F) are the keys' features of a scheme that reads the layer's input; ``sink`` the layer's sink.
+    ``features`` (B, L, F) are the keys' features of a scheme that reads the layer's input; ``sink`` the layer's sink;
+    ``window`` a local layer's, whose rows hold only its keys (a distance never reaches W, the first token's mass is 0
+    past it).
     """
     batch, heads, length, _ = q.shape
     rows = max(1, max_scores // (batch * heads * length))
@@ -58,7 +61,9 @@ def layer_sums(
         end = min(start + rows, length)
         keys = slice(0, end)  # keys after the chunk's last query are masked for all of its queries: leave them out
         seen = None if features is None else features[:, keys]  # the features of the keys it sees
-        row = attention_weights(q[:, :, start:end], k[:, :, keys], encoding, pos[start:end], pos[keys], seen, sink)
+        row = attention_weights(
+            q[:, :, start:end], k[:, :, keys], encoding, pos[start:end], pos[keys], seen, sink, window
+        )
         width = 0 if sink is None else sink.width
         probs = row[..., width:]  # the window's keys
         distance = (pos[start:end, None] - pos[None, keys]).clamp(min=0).float()  # (r, K)
@@ -89,8 +94,9 @@ def attention_statistics(
         pos: Tensor,
         features: Tensor | None,
         sink: SinkColumns | None,
+        window: int | None,
     ) -> None:
-        sums = layer_sums(q, k, encoding, pos, max_scores, features, sink)
+        sums = layer_sums(q, k, encoding, pos, max_scores, features, sink, window)
         sums = {name: value.cpu() for name, value in sums.items()}
         totals[layer] = {name: totals[layer][name] + sums[name] for name in sums} if layer in totals else sums
 

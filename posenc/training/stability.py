@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
+from posenc.attention.window import visible
 from posenc.probe import visit_layers
 from posenc.runtime import precision_context
 
@@ -58,20 +59,22 @@ def spikes(series: Tensor, start: int = SPIKE_WINDOW) -> Tensor:
 
 @torch.no_grad()
 def max_attention_logit(model: nn.Module, tokens: Tensor, precision: str = "32-true") -> float:
-    """The largest z_ij = q_i · k_j / √D over every layer, head and causal pair of ``tokens`` (B, L), in fp32.
+    """The largest z_ij = q_i · k_j / √D over every layer, head and visible pair of ``tokens`` (B, L), in fp32.
 
     The forward runs in ``precision``, the run's own (``bf16-mixed``: under autocast), so the q and k measured are
     those training computes; only the product is taken in fp32.
     """
     largest = [-math.inf]
 
-    def visit(layer: int, q: Tensor, k: Tensor, encoding: Any, pos: Tensor, features: Any, sink: Any) -> None:
+    def visit(
+        layer: int, q: Tensor, k: Tensor, encoding: Any, pos: Tensor, features: Any, sink: Any, window: int | None
+    ) -> None:
         rows = max(1, MAX_SCORES // (q.shape[0] * q.shape[1] * k.shape[-2]))
         scale = q.shape[-1] ** -0.5
         for start in range(0, q.shape[-2], rows):
             chunk = slice(start, start + rows)
             scores = torch.matmul(q[:, :, chunk].float(), k.float().transpose(-1, -2)) * scale
-            scores = scores.masked_fill(pos[None, :] > pos[chunk, None], -math.inf)
+            scores = scores.masked_fill(~visible(pos[chunk], pos, window), -math.inf)  # causal, within a window
             largest[0] = max(largest[0], float(scores.max()))
 
     was_training = model.training
