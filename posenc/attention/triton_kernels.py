@@ -1,9 +1,10 @@
 """Triton kernels of the ``triton`` backend: causal flash attention plus a per-head bias table by distance.
 
 The score of query i and key j is q_i·k_j/√d + table[h, i − j] (j ≤ i), so one kernel serves every scheme whose
-bias is a function of distance alone; the table comes from the scheme's ``distance_bias``. A local layer passes its
-``window`` (a global one the length): keys ``window`` or more positions back are masked, and every loop starts or ends
-at the first or last block its window reaches, so a local layer reads L · W scores, not L². The forward is
+bias is a function of distance alone; the table comes from the scheme's ``distance_bias``. A local layer (``LOCAL``)
+passes its ``window``: keys ``window`` or more positions back are masked, and every loop starts or ends at the first or
+last block its window reaches, so a local layer reads L · W scores, not L². A global layer's kernels are compiled
+without any of it (``LOCAL`` is a constexpr), so the window costs them no register. The forward is
 FlashAttention-2's (online softmax, fp32 accumulation, the row log-sum-exp saved); the backward recomputes P
 from the lse with Δ_i = dO_i·O_i (computed by the caller), one kernel for dk, dv (a program per key block) and
 one for dq (a program per query block). The dq kernel also reduces the table's gradient,
@@ -32,9 +33,11 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @triton.jit
-def _first_key_block(start_m, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _first_key_block(start_m, window, LOCAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The first key block a query block reads: the one holding its first query's earliest visible key."""
-    return tl.maximum(start_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    if LOCAL:
+        return tl.maximum(start_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    return 0
 
 
 @triton.jit
@@ -64,6 +67,7 @@ def forward_kernel(
     scale,
     window,
     HAS_BIAS: tl.constexpr,
+    LOCAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -84,18 +88,22 @@ def forward_kernel(
     v_base = V + b * stride_vb + h * stride_vh
     table_row = Table + h * stride_table
 
-    # Finite, not -inf: a local layer's first key block may hold no visible key for some rows, and a running max
-    # of -inf would make its correction exp2(-inf + inf). Masked scores are -inf, so they still weigh 0.
-    row_max = tl.full([BLOCK_M], -1.0e30, tl.float32)  # base 2
+    # Key 0 is causal for every row, so a global layer's running max is finite after the first block: no NaN. A local
+    # layer's first block may hold no visible key for some rows: its running max starts finite (masked scores are
+    # -inf, so they still weigh 0) rather than make the first correction exp2(-inf + inf).
+    if LOCAL:
+        row_max = tl.full([BLOCK_M], -1.0e30, tl.float32)  # base 2
+    else:
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum((start_m + 1) * BLOCK_M, length)  # causal: no key past the block's last query
-    for start_n in range(_first_key_block(start_m, window, BLOCK_M, BLOCK_N), end, BLOCK_N):
+    for start_n in range(_first_key_block(start_m, window, LOCAL, BLOCK_M, BLOCK_N), end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols[:, None] < length
         k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], col_ok & dim_ok, 0.0)
         v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], col_ok & dim_ok, 0.0)
-        scores, causal = _scores(q, k, table_row, rows, cols, length, window, scale, HAS_BIAS, PRECISION)
+        scores, causal = _scores(q, k, table_row, rows, cols, length, window, scale, HAS_BIAS, LOCAL, PRECISION)
         scores = tl.where(causal, scores * LOG2E, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         correction = tl.exp2(row_max - new_max)
@@ -141,6 +149,7 @@ def backward_dq_kernel(
     scale,
     window,
     HAS_BIAS: tl.constexpr,
+    LOCAL: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -181,13 +190,13 @@ def backward_dq_kernel(
     partial_row = (batch_head.to(tl.int64) * blocks + start_m) * blocks * BLOCK_N
     pending = tl.zeros([BLOCK_N], tl.float32)
     end = tl.minimum((start_m + 1) * BLOCK_M, length)
-    for start_n in range(_first_key_block(start_m, window, BLOCK_M, BLOCK_N), end, BLOCK_N):
+    for start_n in range(_first_key_block(start_m, window, LOCAL, BLOCK_M, BLOCK_N), end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         col_ok = cols[:, None] < length
         k = tl.load(k_base + cols[:, None] * stride_kl + dims[None, :], col_ok & dim_ok, 0.0)
         v = tl.load(v_base + cols[:, None] * stride_vl + dims[None, :], col_ok & dim_ok, 0.0)
         _, dscores = _probs_and_dscores(
-            q, k, v, dout, lse, delta, table_row, rows, cols, length, window, scale, HAS_BIAS, PRECISION
+            q, k, v, dout, lse, delta, table_row, rows, cols, length, window, scale, HAS_BIAS, LOCAL, PRECISION
         )
         dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
         if BIAS_GRAD:
@@ -235,6 +244,7 @@ def backward_dkdv_kernel(
     scale,
     window,
     HAS_BIAS: tl.constexpr,
+    LOCAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -262,8 +272,10 @@ def backward_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first = (start_n * BLOCK_N // BLOCK_M) * BLOCK_M  # causal: no query before the block's first key
-    # and none window or more positions after its last key sees it
-    last = tl.minimum(length, (start_n + 1) * BLOCK_N - 1 + window)
+    # and, in a local layer, none window or more positions after its last key sees it
+    last = length
+    if LOCAL:
+        last = tl.minimum(length, (start_n + 1) * BLOCK_N - 1 + window)
     for start_m in range(first, last, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         row_ok = rows[:, None] < length
@@ -272,7 +284,7 @@ def backward_dkdv_kernel(
         lse = tl.load(Lse + batch_head * length + rows, rows < length, 0.0)
         delta = tl.load(Delta + batch_head * length + rows, rows < length, 0.0)
         probs, dscores = _probs_and_dscores(
-            q, k, v, dout, lse, delta, table_row, rows, cols, length, window, scale, HAS_BIAS, PRECISION
+            q, k, v, dout, lse, delta, table_row, rows, cols, length, window, scale, HAS_BIAS, LOCAL, PRECISION
         )
         dv += tl.dot(tl.trans(probs.to(dout.dtype)), dout, input_precision=PRECISION)
         dk += tl.dot(tl.trans(dscores.to(q.dtype)), q, input_precision=PRECISION)

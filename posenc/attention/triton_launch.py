@@ -199,9 +199,8 @@ def forward_launch(
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), table_arg.stride(0),
         heads, length, head_dim, 1.0 / math.sqrt(head_dim), length if window is None else window,
     )  # fmt: skip
-    return Launch(
-        "forward", (_cdiv(length, config["BLOCK_M"]), batch * heads), args, {"HAS_BIAS": table is not None, **config}
-    )
+    flags = {"HAS_BIAS": table is not None, "LOCAL": window is not None}
+    return Launch("forward", (_cdiv(length, config["BLOCK_M"]), batch * heads), args, {**flags, **config})
 
 
 def backward_launches(
@@ -224,14 +223,20 @@ def backward_launches(
         kernel,
         (_cdiv(length, config["BLOCK_M"]), batch * heads),
         (t["q"], t["k"], t["v"], t["dout"], t["lse"], t["delta"], t["dq"], table_arg, t["dtable"], *shared, *sizes),
-        {"HAS_BIAS": table is not None, "BIAS_GRAD": bias_grad, "DETERMINISTIC": deterministic, **config},
+        {
+            "HAS_BIAS": table is not None,
+            "LOCAL": window is not None,
+            "BIAS_GRAD": bias_grad,
+            "DETERMINISTIC": deterministic,
+            **config,
+        },
     )
     config = launch_config(t["q"].dtype, head_dim, "backward_dkdv", capability)
     dkdv = Launch(
         "backward_dkdv",
         (_cdiv(length, config["BLOCK_N"]), batch * heads),
         (t["q"], t["k"], t["v"], t["dout"], t["lse"], t["delta"], t["dk"], t["dv"], table_arg, *shared, *sizes),
-        {"HAS_BIAS": table is not None, **config},
+        {"HAS_BIAS": table is not None, "LOCAL": window is not None, **config},
     )
     return dq, dkdv
 

@@ -41,15 +41,18 @@ def _scores(
     window,
     scale,
     HAS_BIAS: tl.constexpr,
+    LOCAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Scaled scores plus bias (BLOCK_M, BLOCK_N) in fp32 natural units, and where keys are visible and in range.
 
-    Visible: causal, and fewer than ``window`` positions back (a global layer passes the length). Rows past the length
-    (the last block's padding) read no bias, and nothing of them is stored or, in the backward, counted.
+    Visible: causal and, in a ``LOCAL`` layer, fewer than ``window`` positions back. Rows past the length (the last
+    block's padding) read no bias, and nothing of them is stored or, in the backward, counted.
     """
     distance = rows[:, None] - cols[None, :]
-    causal = (distance >= 0) & (distance < window) & (cols[None, :] < length)
+    causal = (distance >= 0) & (cols[None, :] < length)
+    if LOCAL:
+        causal = causal & (distance < window)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     if HAS_BIAS:
         scores += tl.load(table_row + distance, mask=causal & (rows[:, None] < length), other=0.0)
@@ -71,10 +74,11 @@ def _probs_and_dscores(
     window,
     scale,
     HAS_BIAS: tl.constexpr,
+    LOCAL: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """P recomputed from the lse, and dS = P ∘ (dO·vᵀ − Δ), both (BLOCK_M, BLOCK_N) fp32, zero outside the mask."""
-    scores, causal = _scores(q, k, table_row, rows, cols, length, window, scale, HAS_BIAS, PRECISION)
+    scores, causal = _scores(q, k, table_row, rows, cols, length, window, scale, HAS_BIAS, LOCAL, PRECISION)
     valid = causal & (rows[:, None] < length)
     probs = tl.where(valid, tl.exp2((scores - lse[:, None]) * LOG2E), 0.0)
     dprobs = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
