@@ -68,17 +68,28 @@ TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
     },
 }  # fmt: skip
 SMALLEST_SHARED_MEMORY = (8, 9)
+# A local layer's kernels (``LOCAL``: the window's mask and loop bounds compiled in) where the global tiles spill: the
+# L4's fp32 backward spilled 8-24 B with them (python -m posenc.lane --only table), and these are the nearest that
+# compiled without a spill at lengths 2,048 and 2,047.
+LOCAL_TILES: dict[tuple[int, int], dict[str, dict[tuple[bool, int], Tiles]]] = {
+    (8, 9): {
+        "backward_dq": {(True, 64): (32, 32, 8, 2)},
+        "backward_dq_deterministic": {(True, 64): (32, 32, 4, 2)},
+        "backward_dkdv": {(True, 64): (32, 16, 4, 2)},
+    },
+}
 
 
 def launch_config(
-    dtype: torch.dtype, head_dim: int, kernel: str, capability: tuple[int, int] | None = None
+    dtype: torch.dtype, head_dim: int, kernel: str, capability: tuple[int, int] | None = None, local: bool = False
 ) -> dict[str, Any]:
     """Tiles, precision, warps and stages of one kernel's launch for one (dtype, head dim) on a GPU class.
 
     The one source of these numbers: the kernels launch with them, and the kernel lane compiles each kernel for each
     GPU with them (``posenc.lane.table``). ``capability`` ``None`` (no GPU: the interpreter) takes ``BLOCK_M`` ×
     ``BLOCK_N``; a GPU class the lane has not compiled for takes the L4's tiles, which fit the least shared memory
-    of the three (an RTX 3090 or 5090 has as little).
+    of the three (an RTX 3090 or 5090 has as little). ``local``: a local layer's kernel, whose tiles are the global
+    one's unless ``LOCAL_TILES`` gives its own.
     """
     block_d = _next_power_of_2(head_dim)
     wide = 128 if block_d > 64 else 64
@@ -86,7 +97,11 @@ def launch_config(
     if capability is None:
         block_m, block_n, warps, stages = BLOCK_M, BLOCK_N, 4, 3
     else:
-        block_m, block_n, warps, stages = TILES.get(capability, TILES[SMALLEST_SHARED_MEMORY])[kernel][fp32, wide]
+        gpu_class = capability if capability in TILES else SMALLEST_SHARED_MEMORY
+        block_m, block_n, warps, stages = TILES[gpu_class][kernel][fp32, wide]
+        if local:
+            own = LOCAL_TILES.get(gpu_class, {}).get(kernel, {})
+            block_m, block_n, warps, stages = own.get((fp32, wide), (block_m, block_n, warps, stages))
     if kernel == "backward_dq_deterministic":
         block_n = block_m  # the halves of a tile's diagonal sums meet at block boundaries: square tiles
     return {
@@ -192,7 +207,7 @@ def forward_launch(
     ``window``: a local layer's; a global layer passes the length, so both run one kernel.
     """
     batch, heads, length, head_dim = q.shape
-    config = launch_config(q.dtype, head_dim, "forward", capability)
+    config = launch_config(q.dtype, head_dim, "forward", capability, window is not None)
     table_arg = table if table is not None else lse  # lse: a pointer never read
     args = (
         q, k, v, out, lse, table_arg,
@@ -218,7 +233,7 @@ def backward_launches(
     shared = (*_strides(t["q"]), *_strides(t["k"]), *_strides(t["v"]), *_strides(t["dout"]), table_arg.stride(0))
     sizes = (heads, length, head_dim, 1.0 / math.sqrt(head_dim), length if window is None else window)
     kernel = "backward_dq_deterministic" if deterministic else "backward_dq"
-    config = launch_config(t["q"].dtype, head_dim, kernel, capability)
+    config = launch_config(t["q"].dtype, head_dim, kernel, capability, window is not None)
     dq = Launch(
         kernel,
         (_cdiv(length, config["BLOCK_M"]), batch * heads),
@@ -231,7 +246,7 @@ def backward_launches(
             **config,
         },
     )
-    config = launch_config(t["q"].dtype, head_dim, "backward_dkdv", capability)
+    config = launch_config(t["q"].dtype, head_dim, "backward_dkdv", capability, window is not None)
     dkdv = Launch(
         "backward_dkdv",
         (_cdiv(length, config["BLOCK_N"]), batch * heads),
@@ -242,12 +257,15 @@ def backward_launches(
 
 
 def table_gradient_buffer(
-    q: Tensor, deterministic: bool, bias_grad: bool, capability: tuple[int, int] | None
+    q: Tensor, deterministic: bool, bias_grad: bool, capability: tuple[int, int] | None, local: bool = False
 ) -> Tensor:
-    """Where the dq kernel adds the table's gradient: (H, L), or per query block when deterministic, or nothing."""
+    """Where the dq kernel adds the table's gradient: (H, L), or per query block when deterministic, or nothing.
+
+    ``local``: for a local layer's kernel, whose tiles may be its own (``LOCAL_TILES``).
+    """
     batch, heads, length, head_dim = q.shape
     if deterministic:  # one row per (batch, head, query block), every block of distances it reaches written once
-        config = launch_config(q.dtype, head_dim, "backward_dq_deterministic", capability)
+        config = launch_config(q.dtype, head_dim, "backward_dq_deterministic", capability, local)
         blocks = _cdiv(length, config["BLOCK_M"])
         return torch.zeros(batch * heads, blocks, blocks * config["BLOCK_N"], device=q.device, dtype=torch.float32)
     return torch.zeros(heads, length if bias_grad else 0, device=q.device, dtype=torch.float32)

@@ -122,7 +122,7 @@ def table_attention_backward(
     table = table.float().contiguous() if table is not None else None
     deterministic = bias_grad and torch.are_deterministic_algorithms_enabled()
     capability = _capability(q)
-    dtable = table_gradient_buffer(q, deterministic, bias_grad, capability)
+    dtable = table_gradient_buffer(q, deterministic, bias_grad, capability, window is not None)
     tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta, "dq": dq, "dk": dk, "dv": dv}
     tensors["dtable"] = dtable if bias_grad else lse
     for launch in backward_launches(tensors, table, bias_grad, deterministic, capability, window):

@@ -2,9 +2,10 @@
 
 The table kernels do not depend on the scheme: every distance-only bias, learnable or not, reaches them as one (H, L)
 table, so one compile per (GPU, kernel, dtype, head dim, length class) covers KERPLE, T5, ALiBi, Sandwich and their
-stacks alike. Stick-breaking's kernels serve every scheme that declares a ``stick_form``: the forward is compiled
-with the remainder on the head's vector (``stick_forward``, the trained form) and on the query's own value
-(``stick_forward_own_value``), the backward once (it never reads the target). Each kernel is compiled as the
+stacks alike. A local layer's table kernels are other kernels (``<kernel>_local``: the window's mask and loop bounds
+compiled in), each compiled too. Stick-breaking's kernels serve every scheme that declares a ``stick_form``: the
+forward is compiled with the remainder on the head's vector (``stick_forward``, the trained form) and on the query's
+own value (``stick_forward_own_value``), the backward once (it never reads the target). Each kernel is compiled as the
 backend's launch on that GPU compiles it: the launch is built by the backend's own ``triton_launch`` (tiles, warps
 and stages for that GPU class, the arguments Triton specialises on) and compiled through Triton's ``warmup`` for the
 GPU's target; ptxas (the one in Triton's wheel) reports its registers and spilled bytes. Compiled instead from a
@@ -46,11 +47,16 @@ DIVISIBLE = ["tt.divisibility", 16]  # how Triton marks an argument it specialis
 HEADS = 12
 # Stick-breaking's kernels as the lane names them: the forward once per target of the remainder.
 LANE_STICK_KERNELS = ("stick_forward", "stick_forward_own_value", "stick_backward")
+# The table kernels of a local (sliding-window) layer: compiled with their window's mask and loop bounds (``LOCAL``),
+# another kernel than a global layer's. Launched with a window of a quarter of the length.
+LOCAL = "_local"
+LANE_LOCAL_KERNELS = tuple(kernel + LOCAL for kernel in KERNELS)
 
 
 def units(dtypes: list[str] | None = None, head_dims: list[int] | None = None) -> list[tuple[str, str, int, int]]:
     """Every (kernel, dtype, head dim, length) the lane compiles for each GPU: the table kernels', then the stick's."""
-    every = (KERNELS + LANE_STICK_KERNELS, dtypes or list(DTYPES), head_dims or list(HEAD_DIMS), LENGTHS)
+    every = (KERNELS + LANE_LOCAL_KERNELS + LANE_STICK_KERNELS, dtypes or list(DTYPES), head_dims or list(HEAD_DIMS))
+    every = (*every, LENGTHS)
     return list(itertools.product(*every))
 
 
@@ -71,18 +77,20 @@ def launch(kernel: str, dtype: str, head_dim: int, length: int, gpu: GPU) -> Lau
     lse, delta, table = tensor(*shape[:-1], fp32=True), tensor(*shape[:-1], fp32=True), tensor(HEADS, length, fp32=True)
     if kernel in LANE_STICK_KERNELS:
         return stick_launch(kernel, q, k, v, dout, capability)
+    window = length // 4 if kernel.endswith(LOCAL) else None
+    kernel = kernel.removesuffix(LOCAL)
     if kernel == "forward":
-        return forward_launch(q, k, v, out, lse, table, capability)
+        return forward_launch(q, k, v, out, lse, table, capability, window)
     deterministic = kernel == "backward_dq_deterministic"
     tensors = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "delta": delta, "dq": dq, "dk": dk, "dv": dv}
-    tensors["dtable"] = table_gradient_buffer(q, deterministic, True, capability)
-    dq_launch, dkdv_launch = backward_launches(tensors, table, True, deterministic, capability)
+    tensors["dtable"] = table_gradient_buffer(q, deterministic, True, capability, window is not None)
+    dq_launch, dkdv_launch = backward_launches(tensors, table, True, deterministic, capability, window)
     return dkdv_launch if kernel == "backward_dkdv" else dq_launch
 
 
 def planned_kernel(kernel: str) -> str:
     """The backend's name of a kernel the lane names (``triton_launch.KERNEL_FUNCTIONS``'s keys)."""
-    return "stick_forward" if kernel == "stick_forward_own_value" else kernel
+    return "stick_forward" if kernel == "stick_forward_own_value" else kernel.removesuffix(LOCAL)
 
 
 def stick_launch(
