@@ -167,7 +167,7 @@ def build_layers(
         if stray:
             raise ValueError(
                 f"options {stray} of the per-layer schedule {entries} must be nested under a member's name "
-                f"(one of {sorted(members)}), e.g. {entries[0].split('+')[0]}: {{...}}"
+                f"(one of {sorted(members)}), e.g. {stack_members(entries[0])[0]}: {{...}}"
             )
     layers, kinds = [], []
     for i in range(depth):
