@@ -123,6 +123,34 @@ def test_near_duplicate_leakage_is_found_by_shingles() -> None:
     assert "validation: 2 documents" in printed and "2 near-duplicate(s) of a training document" in printed
 
 
+def test_byte_windows_find_a_copy_that_line_shingles_miss() -> None:
+    from posenc.data.leakage import NGRAM_BYTES, NGRAM_SAMPLE, byte_ngrams, overlaps
+
+    # The vectorised rolling hash is the plain one: every window hashed on its own, then mixed and sampled.
+    document = bytes(range(256)) * 2 + b"tail"
+    mask = (1 << 64) - 1
+    expected = set()
+    for start in range(len(document) - NGRAM_BYTES + 1):
+        value = 0
+        for byte in document[start : start + NGRAM_BYTES]:
+            value = (value * 0x100000001B3 + byte + 1) & mask
+        value ^= value >> 29
+        value = (value * 0xBF58476D1CE4E5B9) & mask
+        value ^= value >> 32
+        if value % NGRAM_SAMPLE == 0:
+            expected.add(value)
+    assert byte_ngrams(document) == expected and expected
+    assert byte_ngrams(b"short") == set()
+    # A copy edited on every second line: each 5-line shingle holds an edit, while most 64-byte windows do not.
+    lines = [f"value_{i} = compute_something_long({i}, {i * i}, 'a fairly long constant string')" for i in range(80)]
+    original = "\n".join(lines).encode()
+    edited = "\n".join(line + ("  # edited" if i % 2 else "") for i, line in enumerate(lines)).encode()
+    corpus = Corpus("toy", {"train": [original], "validation": [edited], "test": [b"x = 1"]})
+    (by_lines,) = overlaps(corpus, held_out=("validation",))
+    (by_bytes,) = overlaps(corpus, held_out=("validation",), unit="bytes")
+    assert by_lines.containment == 0.0 and by_bytes.containment > 0.5
+
+
 def test_near_copies_of_training_text_are_left_out_of_the_scored_split_and_counted(tmp_path) -> None:
     import hashlib
 
@@ -152,3 +180,6 @@ def test_near_copies_of_training_text_are_left_out_of_the_scored_split_and_count
     assert bytes(kept[:7].astype("uint8")) == b"other_0"  # files in name order: the copy went, the fresh one stays
     stream, nothing = data.heldout_stream("validation", None)
     assert nothing is None and stream is whole
+    kept_bytes, by_bytes = data.heldout_stream("validation", 0.5, "bytes")  # the copy again, in 64-byte windows
+    assert by_bytes["unit"] == "bytes" and [d["document"] for d in by_bytes["dropped"]] == [0]
+    assert any((tmp_path / "cache").rglob("containment-validation-bytes.json"))  # kept apart from the lines cache

@@ -128,21 +128,24 @@ class TextDataModule(_WindowDataModule):
         self.setup()
         return self.splits[split]
 
-    def heldout_stream(self, split: str, max_containment: float | None) -> tuple[np.ndarray, dict[str, Any] | None]:
+    def heldout_stream(
+        self, split: str, max_containment: float | None, unit: str = "lines"
+    ) -> tuple[np.ndarray, dict[str, Any] | None]:
         """A held-out split's stream without its near-copies of training text, and the record of what was dropped.
 
-        A document whose containment (``posenc.data.leakage``: the share of its line shingles found in the training
-        split) reaches ``max_containment`` is a near-copy: scoring it measures memory, not modelling. ``None`` keeps
-        every document (and records nothing).
+        A document whose containment (``posenc.data.leakage``: the share of its shingles in ``unit``, 5-line or sampled
+        64-byte, found in the training split) reaches ``max_containment`` is a near-copy: scoring it measures memory,
+        not modelling. ``None`` keeps every document (and records nothing).
         """
         stream = self.stream(split)
         if max_containment is None or split == "train":
             return stream, None
-        containment = self._containment(split)
+        containment = self._containment(split, unit)
         bounds = document_bounds(stream)
         dropped = [index for index, share in enumerate(containment) if share >= max_containment and index < len(bounds)]
         record = {
             "max_containment": max_containment,
+            "unit": unit,
             "split_documents": len(bounds),
             "dropped": [
                 {"document": i, "containment": containment[i], "tokens": bounds[i][1] - bounds[i][0]} for i in dropped
@@ -158,14 +161,15 @@ class TextDataModule(_WindowDataModule):
         keep = [stream[start:end] for index, (start, end) in enumerate(bounds) if index not in set(dropped)]
         return np.concatenate(keep), record
 
-    def _containment(self, split: str) -> list[float]:
-        """Every document's containment in the training split, computed once a corpus and kept beside its tokens."""
+    def _containment(self, split: str, unit: str = "lines") -> list[float]:
+        """Every document's containment in the training split, computed once a corpus and unit, kept by its tokens."""
         self.setup()
-        path = self.cache_folder / f"containment-{split}.json"
+        suffix = "" if unit == "lines" else f"-{unit}"  # the line shingles' cache keeps the name it always had
+        path = self.cache_folder / f"containment-{split}{suffix}.json"
         if path.is_file():
             return json.loads(path.read_text())
         corpus = load_corpus(self.corpus_kind, **self.corpus_options)
-        shares = [found.containment for found in overlaps(corpus, held_out=(split,))]
+        shares = [found.containment for found in overlaps(corpus, held_out=(split,), unit=unit)]
         write_text(path, json.dumps(shares))
         return shares
 

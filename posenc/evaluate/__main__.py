@@ -106,7 +106,11 @@ def _evaluate(
     datamodule = build_datamodule(config, num_samples=1)
     data_info = check_data(datamodule)
     stream, leakage = (
-        (None, None) if task else datamodule.heldout_stream(eval_cfg["split"], eval_cfg.get("max_containment"))
+        (None, None)
+        if task
+        else datamodule.heldout_stream(
+            eval_cfg["split"], eval_cfg.get("max_containment"), eval_cfg.get("near_copies", "lines")
+        )
     )
     training = checkpoint_training(checkpoint, config)
     if not training["finished"]:
@@ -175,7 +179,10 @@ def eval_dir_name(eval_cfg: dict[str, Any], trained_eval: dict[str, Any], task: 
     if eval_cfg.get("attention_scale") is not None:  # likewise a length-scaled evaluation: eval_log_n
         name += f"_{eval_cfg['attention_scale']}"
     asked, trained = experiment_settings(eval_cfg), experiment_settings(trained_eval)
+    if eval_cfg.get("near_copies", "lines") != "lines":  # another held-out set: eval_near_copies_bytes
+        name += f"_near_copies_{eval_cfg['near_copies']}"
     named = ("mode", "stride", "stride_fraction", "rope_scaling", "rope_scaling_factor", "attention_scale")
+    named = (*named, "near_copies")
     named = (*named, *EVAL_RUNTIME, *idle)
     for key, value in asked.items():
         if key.split(".")[0] in named or trained.get(key) == value:

@@ -189,7 +189,7 @@ def print_results(results: dict[str, Any]) -> None:
             dropped = leakage["dropped"]
             print(
                 f"  ({len(dropped)} of the split's {leakage['split_documents']} documents left out as near-copies of "
-                f"training text, containment ≥ {leakage['max_containment']:g}: "
+                f"training text, containment ≥ {leakage['max_containment']:g} in {leakage.get('unit', 'lines')}: "
                 + ", ".join(f"#{d['document']} ({d['containment']:.2f}, {d['tokens']} tokens)" for d in dropped)
                 + ")"
             )

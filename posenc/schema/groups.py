@@ -241,6 +241,9 @@ class Eval(Section):
     sliding_fractions: list[Fraction] = Field(description="end of training: also evaluate sliding at these strides")
     split: SPLITS = Field(description="the held-out split scored")
     max_containment: Share | None = Field(description="drop held-out documents this much contained in training")
+    near_copies: Literal["lines", "bytes"] = Field(
+        default="lines", description="containment in 5-line shingles, or in sampled 64-byte windows"
+    )
     max_tokens: Count | None = Field(description="scored tokens at every length (null: the whole split)")
     sample: Literal["documents", "head", "long_documents"] = Field(description="which held-out tokens are scored")
     tokens_per_batch: Count = Field(description="memory bound: windows per batch = this // length")

@@ -146,7 +146,12 @@ def fit(
         stream = (
             None
             if task
-            else functools.partial(datamodule.heldout_stream, eval_cfg["split"], eval_cfg.get("max_containment"))
+            else functools.partial(
+                datamodule.heldout_stream,
+                eval_cfg["split"],
+                eval_cfg.get("max_containment"),
+                eval_cfg.get("near_copies", "lines"),
+            )
         )
         evaluation = ExtrapolationEval(info, config["eval"], run_dir / "eval", stream, task, drift)
         callbacks.append(evaluation)
