@@ -180,6 +180,6 @@ def test_near_copies_of_training_text_are_left_out_of_the_scored_split_and_count
     assert bytes(kept[:7].astype("uint8")) == b"other_0"  # files in name order: the copy went, the fresh one stays
     stream, nothing = data.heldout_stream("validation", None)
     assert nothing is None and stream is whole
-    kept_bytes, by_bytes = data.heldout_stream("validation", 0.5, "bytes")  # the copy again, in 64-byte windows
+    _, by_bytes = data.heldout_stream("validation", 0.5, "bytes")  # the copy again, in 64-byte windows
     assert by_bytes["unit"] == "bytes" and [d["document"] for d in by_bytes["dropped"]] == [0]
     assert any((tmp_path / "cache").rglob("containment-validation-bytes.json"))  # kept apart from the lines cache
