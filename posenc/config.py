@@ -97,20 +97,18 @@ def register_resolvers() -> None:
     ``${posenc.options:evaluate}``: every setting as ``key=default``, with what it accepts (the ``--help`` of
     ``posenc.evaluate``).
     """
-    if not OmegaConf.has_resolver("posenc.label"):
-        OmegaConf.register_new_resolver("posenc.label", _label)
-    if not OmegaConf.has_resolver("posenc.data_tag"):
-        OmegaConf.register_new_resolver("posenc.data_tag", _data_tag)
-    if not OmegaConf.has_resolver("posenc.scaling"):
-        OmegaConf.register_new_resolver("posenc.scaling", _scaling_tag)
-    if not OmegaConf.has_resolver("posenc.lineage"):
-        OmegaConf.register_new_resolver("posenc.lineage", _lineage_tag)
-    if not OmegaConf.has_resolver("posenc.sink"):
-        OmegaConf.register_new_resolver("posenc.sink", _sink_tag)
-    if not OmegaConf.has_resolver("posenc.gpus"):
-        OmegaConf.register_new_resolver("posenc.gpus", _gpus)
-    if not OmegaConf.has_resolver("posenc.options"):
-        OmegaConf.register_new_resolver("posenc.options", settings_help)
+    resolvers = {
+        "posenc.label": _label,
+        "posenc.data_tag": _data_tag,
+        "posenc.scaling": _scaling_tag,
+        "posenc.lineage": _lineage_tag,
+        "posenc.sink": _sink_tag,
+        "posenc.gpus": _gpus,
+        "posenc.options": settings_help,
+    }
+    for name, resolver in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
 
 
 def encoding_choices() -> list[str]:
@@ -148,10 +146,8 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The command line, checked before Hydra starts
-
-# Hydra's flags that print something and run nothing: such command lines are Hydra's to read.
+# The command line, checked before Hydra starts. Hydra's flags that print something and run nothing: such command
+# lines are Hydra's to read.
 _HYDRA_PRINTS = ("help", "hydra_help", "version", "cfg", "info", "shell_completion", "experimental_rerun")
 # Lightning's Trainer arguments the training loop sets itself: a +trainer.<key> naming one would clash with it.
 _TRAINER_SET_BY_LOOP = ("self", "logger", "callbacks", "default_root_dir")
