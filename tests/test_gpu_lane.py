@@ -88,6 +88,32 @@ def test_aot_eager_blocks_match_the_dense_reference(cuda_branches: None, kind: s
             torch.testing.assert_close(got_grads[key], grad, atol=1e-5, rtol=1e-4, msg=key)
 
 
+@pytest.mark.parametrize("name", ["rope", "kerple_log"])
+def test_a_local_layer_compiles_to_one_graph_and_matches_the_dense_reference(cuda_branches: None, name: str) -> None:
+    # A local layer on the CUDA path: flex with the window's block mask, traced into the block's graph, against eager.
+    spec = {"name": [f"local-{name}", name], "window": 7}
+    block = Decoder(spec, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS).blocks[0]
+    assert block.attn.window == 7
+    explained = torch._dynamo.explain(block)(torch.randn(2, LENGTH, DIM, requires_grad=True), torch.arange(LENGTH))
+    reasons = "; ".join(str(reason.reason).splitlines()[0] for reason in explained.break_reasons)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), reasons
+    torch.manual_seed(4)
+    reference = Decoder(spec, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS, attention="eager")
+    model = Decoder(spec, vocab_size=VOCAB, dim=DIM, depth=2, heads=HEADS, attention="auto")
+    model.load_state_dict(reference.state_dict())
+    compile_blocks(model, backend="aot_eager")
+    tokens, weights = torch.randint(0, VOCAB, (2, LENGTH)), torch.randn(2, LENGTH, VOCAB)
+    results = []
+    for decoder in (reference, model):
+        logits = decoder(tokens)
+        (logits * weights).sum().backward()
+        results.append((logits.detach(), {key: p.grad for key, p in decoder.named_parameters()}))
+    (expected, expected_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    for key, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=1e-5, rtol=1e-4, msg=key)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_attention_statistics_over_compiled_flex_blocks(
     cuda_branches: None, monkeypatch: pytest.MonkeyPatch, kind: str

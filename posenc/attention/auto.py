@@ -16,9 +16,11 @@
 - a scheme that supplies its own attention (PaTH, stick-breaking), any device → ``scheme``: the scheme's own
   memory-bounded ``attend`` (no softmax kernel computes it; ``sdpa``, ``flex`` and ``flex_learnable`` refuse it, and
   ``triton`` every one but stick-breaking's, whose ``stick_form`` its fused kernel runs);
-- a local (sliding-window) layer on CUDA: ``flex`` for a scheme without a bias (its block mask skips the blocks
-  outside the window, where SDPA would need a dense mask and leave its flash kernels), and never ``flex_learnable``,
-  which refuses a window: a learnable bias trains through ``flex`` or ``sdpa`` as the rules below say;
+- a local (sliding-window) layer on CUDA: ``flex`` for a scheme without a bias or with a fixed one (its block mask
+  skips the blocks outside the window, where SDPA would need a dense mask and leave its flash kernels); a learnable
+  bias trains through ``sdpa``, since ``flex_learnable`` refuses a window and FlexAttention's own backward of a
+  trainable score_mod failed compiled (torch 2.11, ``aot_eager``: KERPLE-log, global or local alike), and evaluates
+  through ``flex``;
 - a sink (``posenc/attention/sink.py``) on CUDA with no bias → ``flex``, which merges it through its row lse in one
   fused kernel (SDPA would take the sink as a wider key and leave its flash kernels); a biased scheme keeps the
   choices above, each of which takes a sink;
@@ -81,6 +83,8 @@ def choose(
         return "sdpa"
     if not encoding.adds_bias:
         return "flex" if sink or local else "sdpa"
+    if local and training and encoding.learnable_bias:
+        return "sdpa"
     if encoding.learnable_bias and supports(encoding) and not local:
         return "flex_learnable"
     if training and encoding.learnable_bias and not encoding.score_mod_differentiable:
