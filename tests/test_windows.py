@@ -338,3 +338,28 @@ def test_maps_statistics_and_the_logit_probe_see_a_local_layer_as_it_attends() -
             x = block(x, pos)
     torch.testing.assert_close(max_attention_logit(model, tokens), largest[True], atol=1e-5, rtol=1e-5)
     assert largest[True] < largest[False]  # the window hides the pair that scores highest: the check has teeth
+
+
+@pytest.mark.parametrize("window", [1, 100, 300])
+@pytest.mark.parametrize("name", ["rope", "alibi", "kerple_log", "fox", "cope"])
+def test_sdpa_chunks_a_local_layer_by_its_window_and_matches_the_reference(name: str, window: int) -> None:
+    # 300 queries in chunks of 128 (a local layer's chunks follow its window), each over the keys its window reaches:
+    # no bias, a fixed bias, a learnable table, a folded key term and a content bias.
+    def run(backend: str) -> list[torch.Tensor]:
+        torch.manual_seed(12)
+        enc = make(name, head_dim=HEAD_DIM)
+        q, k, v = (torch.randn(1, HEADS, 300, HEAD_DIM, requires_grad=True) for _ in range(3))
+        pos = torch.arange(300)
+        features = enc.token_features(torch.randn(1, 300, HEADS * HEAD_DIM)) if enc.reads_layer_input else None
+        rotated_q, rotated_k = enc.rotate(q, k, pos, pos)
+        out = get_backend(backend)(rotated_q, rotated_k, v, enc, pos, pos, features=features, window=window)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in enc.parameters() if p.requires_grad)]
+
+    got, expected = run("sdpa"), run("eager")
+    # A window of one leaves each row a single key: the gates' gradients are 0 in exact arithmetic and rounding here
+    # (a softmax of one score), summed over the positions; the tolerance is the largest gradient's, not their own.
+    scale = max(1.0, *(reference.abs().max().item() for reference in expected))
+    for index, (value, reference) in enumerate(zip(got, expected, strict=True)):
+        atol = (1e-3 if window == 1 else 1e-4) * scale
+        torch.testing.assert_close(value, reference, atol=atol, rtol=1e-4, msg=lambda m, i=index: f"{i}: {m}")

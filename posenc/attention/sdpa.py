@@ -61,7 +61,7 @@ from torch.nn.attention.bias import causal_lower_right
 from posenc.attention import refuse, refuse_supplied_attention, register_backend
 from posenc.attention.sink import SinkColumns
 from posenc.attention.tables import CpuTableAttention, dense_bias, plan_gradient
-from posenc.attention.window import key_span, visible
+from posenc.attention.window import key_span, local_rows, visible
 from posenc.encodings.base import PositionalEncoding
 from posenc.runtime import cuda_path, full_precision
 
@@ -211,7 +211,7 @@ def sdpa_with_bias(
         table = None if bias is None else bias(chunk_q_pos, chunk_k_pos)
         return causal_mask(table, chunk_q_pos, chunk_k_pos, q.dtype, window)
 
-    rows = max(1, MAX_MASK_ELEMENTS // k.shape[-2])
+    rows = local_rows(max(1, MAX_MASK_ELEMENTS // k.shape[-2]), window, q_pos is k_pos)
     if q.shape[-2] <= rows:  # one chunk: no loop, so torch.compile keeps the length symbolic
         mask = MASKS.get(key, lambda: mask_of(q_pos, k_pos))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -328,6 +328,7 @@ def sdpa_with_content_bias(
     """
     batch, heads, length, _ = q.shape
     rows = max(1, content_chunk_elements(q.device) // (batch * heads * k.shape[-2]))
+    rows = local_rows(rows, None if pinned else window, q_pos is k_pos)
     share_scores = encoding.reads_scores and not cuda_path(q)
     chunks = []
     for start in range(0, length, rows):
@@ -379,7 +380,9 @@ def sdpa_with_key_bias(
     enough at any length. No (Lq × Lk) float tensor exists: the mask is boolean, and SDPA takes its flash kernel.
     """
     scale = q.shape[-1] ** -0.5
-    rows = max(1, min(MAX_FOLDED_ROWS, MAX_MASK_ELEMENTS // k.shape[-2]))
+    rows = local_rows(
+        max(1, min(MAX_FOLDED_ROWS, MAX_MASK_ELEMENTS // k.shape[-2])), None if pinned else window, q_pos is k_pos
+    )
     ones = q.new_ones(*q.shape[:-1], 1)
     padded_v = torch.cat([v, v.new_zeros(*v.shape[:-1], 1)], dim=-1)
     chunks = []
