@@ -74,6 +74,20 @@ def test_kept_records_are_compressed_and_the_report_reads_them_the_same(tmp_path
     assert again[0]["training"]["steps"] == 10
 
 
+def test_kept_records_hold_a_runs_attention_statistics_once(tmp_path: Path) -> None:
+    # Both protocols of a run measure them on the same windows; the report reads the nonoverlapping evaluation's.
+    folder = _text_run(tmp_path / "runs", "alibi", 0, 5.0)
+    stats = [{"length": 32, "layer": 0, "head": 0, "distance": 3.0, "entropy": 1.0, "sink": 0.1, "queries": 31}]
+    plain = json.loads((folder / "eval" / "results.json").read_text()) | {"attention_stats": stats}
+    (folder / "eval" / "results.json").write_text(json.dumps(plain))
+    sliding = plain | {"eval": {"mode": "sliding", "stride": None, "stride_fraction": 0.5, "split": "test"}}
+    (folder / "eval_sliding_f0.5").mkdir()
+    (folder / "eval_sliding_f0.5" / "results.json").write_text(json.dumps(sliding))
+    keep_records(find_results([tmp_path / "runs"]), tmp_path / "kept")
+    kept = {r["eval"]["mode"]: r for r in find_results([tmp_path / "kept"])}
+    assert kept["nonoverlap"]["attention_stats"] == stats and "attention_stats" not in kept["sliding"]
+
+
 def test_recall_is_compared_only_over_the_seeds_that_learned_it() -> None:
     def run(seed: int, accuracy: float) -> dict:
         rows = [{"length": 64, "accuracy": accuracy, "low": accuracy - 0.05, "keyless_exact": 0.25}]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from posenc.jsonio import KEPT, read_record, record_path, write_kept, write_text
+from posenc.report.attention import once_per_run
 from posenc.report.benchcost import BENCH_FILE, find_bench
 from posenc.report.build import build_report
 from posenc.report.collect import find_results
@@ -43,12 +44,15 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
     """Keep each run's records (never a checkpoint) in ``records/<run>/``, compressed, replacing what was there.
 
     Only what the report reads, and compressed (``write_kept``): of the loss by position only the longest window's,
-    which a figure draws (``_rounded``), everything else as recorded. A benchmark's record
+    which a figure draws (``_rounded``); a run's attention statistics once, from the evaluation the report reads them
+    from (``once_per_run``: every protocol measures them on the same windows); everything else as recorded. A
+    benchmark's record
     (``find_bench``) goes to ``records/bench-<i>/``, in the same staged copy.
     """
     staging = records.with_name(records.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
     names = _record_names(results)
+    stats_read = {id(run) for run in once_per_run([run for run in results if run.get("attention_stats")])}
     for run in results:
         source = Path(run_dir(run))
         target = staging / names[source]
@@ -56,7 +60,10 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
         if not run.get("failed"):
             relative = results_file.relative_to(source).as_posix().removesuffix(KEPT)
             (target / relative).parent.mkdir(parents=True, exist_ok=True)
-            write_kept(target / relative, _rounded(read_record(results_file)))
+            record = _rounded(read_record(results_file))
+            if id(run) not in stats_read:
+                record.pop("attention_stats", None)
+            write_kept(target / relative, record)
         for record in (*RECORD_FILES, "failed.json"):
             if record_path(source / record) is not None:
                 (target / record).parent.mkdir(parents=True, exist_ok=True)
