@@ -291,6 +291,6 @@ def run_case(case: Case, gpu: GPU, registers: bool = True) -> Iterator[StageResu
     if case.training and case.path == "flex_learnable":
         stages.append(("bias gradient", bias_gradient))
     for name, run in stages:
-        with patch.object(flex_backend, "causal_block_mask", lambda length, device: block_mask):
+        with patch.object(flex_backend, "causal_block_mask", lambda length, device, window=None: block_mask):
             result = _stage(case, name, run, gpu, registers)
         yield result
