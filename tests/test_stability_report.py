@@ -140,3 +140,57 @@ def test_the_sink_study_crosses_three_sinks_with_four_schemes_on_the_comparisons
     assert composed.model.sink == "tokens" and composed.model.sink_tokens == 1 and composed.eval.attention_stats
     assert composed.eval.split == "test" and list(composed.eval.sliding_fractions) == [0.5]
     assert composed.optim.tuned == "docs/results/tuning/selection.json" and composed.trainer.max_steps == 600
+
+
+def _grid_runs(scheme: str, curve: list[float], seeds: dict[int, int], noise: float, rng) -> list[dict]:
+    """A scheme's runs over RATES_F: seed noise added to its true curve; ``seeds``: extra seeds at a rate's index."""
+    runs = []
+    for index, (rate, true) in enumerate(zip(RATES_F, curve, strict=True)):
+        for seed in range(10, 11 + seeds.get(index, 0)):
+            runs.append(_run(scheme, rate, true + float(rng.normal(0, noise)), seed=seed))
+    return runs
+
+
+RATES_F = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
+
+
+def test_a_pair_of_sensitivities_earns_its_words_from_the_pooled_seed_noise() -> None:
+    from posenc.report.stability import MARGIN, _variance_factor, comparisons, seed_noise
+
+    runs = [  # two seeds more at the last rate of each: the seed noise comes from there
+        *(_run("alibi", rate, loss) for rate, loss in zip(RATES_F, (2.0, 1.9, 1.8, 1.9, 2.1), strict=True)),
+        _run("alibi", 1.6e-2, 2.2, seed=11), _run("alibi", 1.6e-2, 2.0, seed=12),
+        *(_run("rope", rate, loss) for rate, loss in zip(RATES_F, (2.0, 1.9, 1.8, 3.0, 4.0), strict=True)),
+        _run("rope", 1.6e-2, 4.1, seed=11), _run("rope", 1.6e-2, 3.9, seed=12),
+    ]  # fmt: skip
+    by_scheme = grid(runs)
+    sd, df = seed_noise(by_scheme)
+    assert df == 4 and sd == pytest.approx(0.1)  # each edge: 2.1, 2.2, 2.0 and 4.0, 4.1, 3.9
+    # k = 5 rates, 1 + 1 + 1 + 1 + 3 runs, the best (4e-3) one run: (4 + 1/3) / 25 + 1 − 2 / 5
+    assert _variance_factor(by_scheme["alibi"], 4e-3) == pytest.approx((4 + 1 / 3) / 25 + 1 - 2 / 5)
+    (row,), _ = comparisons(by_scheme)
+    alibi = (0.2 + 0.1 + 0 + 0.1 + 0.3) / 5  # the last rate's mean is 2.1
+    rope = (0.2 + 0.1 + 0 + 1.2 + 2.2) / 5
+    assert row["name"] == "alibi vs rope" and row["difference"] == pytest.approx(alibi - rope)
+    assert row["words"] == ("separated",) and row["interval"][1] < -MARGIN
+    lines = "\n".join(stability_section(runs))
+    assert "σ = 0.1000 nats from 4 degrees of freedom" in lines and "| alibi vs rope | -0.600 |" in lines
+
+
+def test_equal_schemes_are_rarely_separated_and_close_ones_are_found_equivalent() -> None:
+    """Simulated grids with a known truth: the false separations stay near α, equivalence is reachable."""
+    import numpy as np
+
+    from posenc.report.stability import comparisons
+
+    rng = np.random.default_rng(0)
+    curve, edges = [2.0, 1.9, 1.85, 1.9, 2.2], {3: 2, 4: 2}
+    separated = equivalent = 0
+    trials = 400
+    for _ in range(trials):
+        runs = [*_grid_runs("a", curve, edges, 0.004, rng), *_grid_runs("b", curve, edges, 0.004, rng)]
+        (row,), _ = comparisons(grid(runs))
+        separated += "separated" in row["words"]
+        equivalent += "equivalent" in row["words"]
+    assert separated / trials <= 0.08  # α = 0.05, with simulation error
+    assert equivalent / trials >= 0.9  # σ = 0.004 nats against a margin of 0.02

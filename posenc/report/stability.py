@@ -15,6 +15,14 @@ rate** is the largest such rate of the grid. A scheme whose every rate of the gr
 the edge: the section says so, and that the grid must be extended upward. **Spike rates** are the spikes per
 thousand steps of the loss and of the gradient norm (``posenc/training/stability.py``: more than 6 standard
 deviations above the mean of the 128 steps before), pooled over the scheme's runs at its stable rates.
+
+**Which scheme is more stable** is a test on the difference of two sensitivities, in the report's three words:
+separated (Holm-adjusted two-sided t), equivalent (two one-sided tests against ``MARGIN``, Holm-adjusted), or
+inconclusive. A sensitivity's only noise is each point's seed noise, so its standard error is σ times a factor its
+grid fixes (``_variance_factor``), with σ pooled over every point where more than one seed ran (the edges, where
+each scheme runs three), all schemes together: a grid without such points earns no word. Pooling the edges, where
+one seed can diverge and another not, makes σ an upper estimate for the flat part of the curve, so the test errs
+towards inconclusive; the best point is taken as fixed, so the minimum's downward bias is not corrected.
 """
 
 from __future__ import annotations
@@ -27,7 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scipy import stats as scipy_stats
+
+from posenc.evaluate.crossed import ALPHA, verdict
 from posenc.evaluate.plots import plot_lines
+from posenc.evaluate.stats import holm
 from posenc.layout import encoding_label
 from posenc.report.tuning import in_length_loss
 
@@ -36,6 +48,11 @@ MEASURE = (
     "validation loss, capped at the loss at initialisation, minus the best of them; a diverged run counts as the loss "
     "at initialisation"
 )
+
+
+# Two sensitivities within this many nats are equivalent: a fiftieth of a nat of excess loss averaged over the grid,
+# 2% in perplexity. Fixed with the test, before any of the study's results was read.
+MARGIN = 0.02
 
 
 @dataclass
@@ -117,6 +134,88 @@ def summary(by_rate: dict[float, RatePoint]) -> dict[str, Any] | None:
     }
 
 
+def seed_noise(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[float, int] | None:
+    """σ, the seed spread of a capped final loss, and its degrees of freedom, pooled over points with seeds to spare.
+
+    Each point's runs differ only in their seed, so the spread within a point is seed noise; the points of every scheme
+    are pooled (one σ for all, the same assumption the tuning's tie width makes). None where no point has two runs.
+    """
+    squares, df = 0.0, 0
+    for by_rate in by_scheme.values():
+        start = initial_loss(by_rate)
+        for point in by_rate.values():
+            if start is None or len(point.losses) < 2:
+                continue
+            values = [start if loss is None else min(loss, start) for loss in point.losses]
+            mean = statistics.fmean(values)
+            squares += sum((value - mean) ** 2 for value in values)
+            df += len(values) - 1
+    return (math.sqrt(squares / df), df) if df else None
+
+
+def _variance_factor(by_rate: dict[float, RatePoint], best: float) -> float:
+    """Var(sensitivity) / σ²: the mean of k point means minus the best of them, each point the mean of its n runs.
+
+    (1/k²) Σ 1/n_η + 1/n_best − 2/(k · n_best): the best point is one of the k, hence the covariance term.
+    """
+    k, n_best = len(by_rate), len(by_rate[best].losses)
+    return sum(1 / len(point.losses) for point in by_rate.values()) / k**2 + 1 / n_best - 2 / (k * n_best)
+
+
+def comparisons(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[list[dict[str, Any]], tuple[float, int] | None]:
+    """Every pair of schemes: the difference of their sensitivities, its 95% interval and the words it earns.
+
+    One Holm family for "no difference" and one for the equivalence tests, over all pairs, as the comparison does.
+    """
+    noise = seed_noise(by_scheme)
+    summaries = {label: summary(by_rate) for label, by_rate in by_scheme.items()}
+    usable = sorted(label for label, s in summaries.items() if s is not None and s["sensitivity"] is not None)
+    if noise is None or len(usable) < 2:
+        return [], noise
+    sd, df = noise
+    rows, differs, same = [], {}, {}
+    for index, a in enumerate(usable):
+        for b in usable[index + 1 :]:
+            diff = summaries[a]["sensitivity"] - summaries[b]["sensitivity"]
+            factors = [_variance_factor(by_scheme[x], summaries[x]["best_rate"]) for x in (a, b)]
+            se = sd * math.sqrt(sum(factors))
+            if not se > 0:
+                continue
+            name = f"{a} vs {b}"
+            differs[name] = float(2 * scipy_stats.t.sf(abs(diff) / se, df))
+            same[name] = float(
+                max(scipy_stats.t.sf((MARGIN - diff) / se, df), scipy_stats.t.sf((diff + MARGIN) / se, df))
+            )
+            half = float(scipy_stats.t.ppf(1 - ALPHA / 2, df)) * se
+            rows.append({"name": name, "a": a, "b": b, "difference": diff, "interval": (diff - half, diff + half)})
+    differs, same = holm(differs), holm(same)
+    for row in rows:
+        row["words"] = verdict(differs[row["name"]], same[row["name"]], ALPHA)
+    return rows, noise
+
+
+def _comparison_lines(by_scheme: dict[str, dict[float, RatePoint]]) -> list[str]:
+    rows, noise = comparisons(by_scheme)
+    if noise is None:
+        return ["", "No point ran more than one seed, so the seed noise is unmeasured and no pair earns a word."]
+    sd, df = noise
+    lines = [
+        "",
+        f"Pairs (first minus second; negative: the first is less sensitive). Seed noise σ = {sd:.4f} nats from "
+        f"{df} degrees of freedom (the points with more than one seed); equivalence margin ±{MARGIN} nats; Holm over "
+        f"the {len(rows)} pairs.",
+        "",
+        "| pair | difference (nats) | 95% interval | words |",
+        "|---|---:|---|---|",
+    ]
+    for row in sorted(rows, key=lambda r: r["difference"]):
+        low, high = row["interval"]
+        lines.append(
+            f"| {row['name']} | {row['difference']:+.3f} | [{low:+.3f}, {high:+.3f}] | {', '.join(row['words'])} |"
+        )
+    return lines
+
+
 def _cell(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
@@ -150,6 +249,7 @@ def stability_section(results: Sequence[dict[str, Any]]) -> list[str]:
             f"| {reached} | {_cell(s['loss_spikes_per_1k'], '.2f')} | {_cell(s['grad_norm_spikes_per_1k'], '.2f')} "
             f"| {s['initial_loss']:.3f} |"
         )
+    lines += _comparison_lines(by_scheme)
     for label in ranked:
         lines += ["", f"### {label}", "", _rate_table(by_scheme[label], summaries[label]["initial_loss"])]
     return lines
