@@ -363,3 +363,28 @@ def test_sdpa_chunks_a_local_layer_by_its_window_and_matches_the_reference(name:
     for index, (value, reference) in enumerate(zip(got, expected, strict=True)):
         atol = (1e-3 if window == 1 else 1e-4) * scale
         torch.testing.assert_close(value, reference, atol=atol, rtol=1e-4, msg=lambda m, i=index: f"{i}: {m}")
+
+
+@pytest.mark.parametrize("window", [1, 100])
+@pytest.mark.parametrize("sink_kind", ["learned", "tokens"])
+@pytest.mark.parametrize("name", ["rope", "alibi", "kerple_log"])
+def test_sdpa_chunks_a_local_layer_with_a_sink_by_its_window(name: str, sink_kind: str, window: int) -> None:
+    # 300 queries in chunks of 128, each over the sink's columns and the keys its window reaches, against eager.
+    def run(backend: str) -> list[torch.Tensor]:
+        torch.manual_seed(13)
+        enc, sink = make(name, head_dim=HEAD_DIM), Sink(sink_kind, HEADS, HEAD_DIM, tokens=2)
+        _moved(sink)
+        q, k, v = (torch.randn(1, HEADS, 300, HEAD_DIM, requires_grad=True) for _ in range(3))
+        pos = torch.arange(300)
+        keys, values, rotated_pos = sink.in_front(k, v, pos)
+        rotated_q, keys = enc.rotate(q, keys, pos, rotated_pos)
+        columns, keys, values = sink.columns(keys, values, rotated_pos)
+        out = get_backend(backend)(rotated_q, keys, values, enc, pos, pos, sink=columns, window=window)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
+        trained = [p for p in [*enc.parameters(), *sink.parameters()] if p.requires_grad]
+        return [out.detach(), q.grad, k.grad, v.grad, *(p.grad for p in trained)]
+
+    got, expected = run("sdpa"), run("eager")
+    scale = max(1.0, *(reference.abs().max().item() for reference in expected))
+    for index, (value, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(value, reference, atol=1e-4 * scale, rtol=1e-4, msg=lambda m, i=index: f"{i}: {m}")

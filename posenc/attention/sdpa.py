@@ -271,19 +271,22 @@ def sdpa_with_sink(
 
     key = mask_key(encoding, q_pos, k_pos, dtype, window)
     key = None if key is None else (key, "sink", width, sink.keys is None)
-    self_attention = q_pos is k_pos
-    rows = max(1, MAX_MASK_ELEMENTS // (width + k.shape[-2]))
+    rows = local_rows(max(1, MAX_MASK_ELEMENTS // (width + k.shape[-2])), window, q_pos is k_pos)
     chunks = []
     for start in range(0, q.shape[-2], rows):
         end = start + rows
-        seen = slice(0, width + end) if self_attention else slice(None)  # later keys are all masked for this chunk
-        chunk_q_pos = q_pos[start:end]
-        chunk_k_pos = k_pos[: seen.stop - width] if self_attention else k_pos
+        # The columns, then only the keys this chunk's queries may see (later ones, and those before its window, are
+        # masked: left out, as sdpa_with_bias leaves them).
+        span = key_span(q_pos, k_pos, start, end, window)
+        first, last = span.start or 0, k.shape[-2] if span.stop is None else min(span.stop, k.shape[-2])
+        chunk_q_pos, chunk_k_pos = q_pos[start:end], k_pos[first:last]
         whole = start == 0 and end >= q.shape[-2]
         chunk_mask = MASKS.get(key if whole else None, lambda p=chunk_q_pos, kp=chunk_k_pos: mask(p, kp))
+        seen = [slice(0, width + last)] if first == 0 else [slice(0, width), slice(width + first, width + last)]
+        chunk_keys, chunk_values = (torch.cat([t[:, :, part] for part in seen], dim=-2) for t in (keys, values))
         chunks.append(
             F.scaled_dot_product_attention(
-                q[:, :, start:end], keys[:, :, seen], values[:, :, seen], attn_mask=chunk_mask, scale=scale
+                q[:, :, start:end], chunk_keys, chunk_values, attn_mask=chunk_mask, scale=scale
             )
         )
     out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-2)
