@@ -10,7 +10,8 @@ from helpers import compose_train
 
 from posenc.config import to_container
 from posenc.encodings import available, build, scheme_class
-from posenc.encodings.length import LengthScaled, coverage, coverage_lines, scale_to_length
+from posenc.encodings.forms import LengthScaled
+from posenc.encodings.length import coverage, coverage_lines, scale_to_length
 from posenc.model import Decoder
 from posenc.runs import DONE_FILE, resolve_length_settings, write_json
 from posenc.training.sweep import job_state

@@ -89,15 +89,12 @@ one atomic add per score, which makes its backward hundreds of times slower than
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from posenc.encodings.forms import BiasGradientForm, ScoreMod, StickForm
-
-if TYPE_CHECKING:
-    from posenc.encodings.length import LengthScaled
+from posenc.encodings.forms import BiasGradientForm, LengthScaled, ScoreMod, StickForm
 
 
 class PositionalEncoding(nn.Module):

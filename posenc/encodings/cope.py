@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
-from posenc.encodings.length import LengthScaled
+from posenc.encodings.forms import LengthScaled
 from posenc.runtime import full_precision
 
 

@@ -29,8 +29,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
-from posenc.encodings.forms import ScoreMod
-from posenc.encodings.length import LengthScaled
+from posenc.encodings.forms import LengthScaled, ScoreMod
 from posenc.runtime import full_precision
 
 EPS = 1e-6  # keeps ψ(max(L, i)) away from 0 (the paper's code adds it to the normaliser)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
-from posenc.encodings.length import LengthScaled
+from posenc.encodings.forms import LengthScaled
 from posenc.encodings.rope import rotate_half
 
 

@@ -1,11 +1,13 @@
-"""What a scheme hands the backends besides its bias: its score_mod's type and the forms of its attention or gradient.
+"""What a scheme declares besides its bias: score_mod's type, its attention's or gradient's forms, L-scaled settings.
 
-Declarations only (the contract that uses them is ``base.py``): kept apart so that a backend can name a form without
-importing the contract, and the contract stays one class.
+Declarations only (the contract that uses them is ``base.py``; the settings in units of the training length,
+``LengthScaled``, are resolved in ``length.py``): kept apart so that a backend can name a form without importing the
+contract, and the contract stays one class.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,3 +63,30 @@ class StickForm:
 
     head_bias: Tensor | None
     finish: Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class LengthScaled:
+    """A setting worth ``ratio`` × the training length L (``paper`` says whose ratio), at least ``minimum``."""
+
+    ratio: float
+    paper: str
+    minimum: float = 1
+    integer: bool = True
+
+    def at(self, train_length: int) -> int | float:
+        """The setting's value for a run training at ``train_length``."""
+        value = max(self.minimum, self.ratio * train_length)
+        return math.ceil(value) if self.integer else float(value)
+
+    @property
+    def rule(self) -> str:
+        """The rule in words, e.g. ``L/16 (T5: 32 at L = 512)``."""
+        if self.ratio == 1:
+            share = "L"
+        elif self.ratio < 1 and (1 / self.ratio).is_integer():
+            share = f"L/{int(1 / self.ratio)}"
+        else:
+            share = f"{self.ratio:g}·L"
+        floor = f", at least {self.minimum:g}" if self.minimum > 1 else ""
+        return f"{share}{floor} ({self.paper})"

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from posenc.encodings import register
-from posenc.encodings.length import LengthScaled
+from posenc.encodings.forms import LengthScaled
 from posenc.encodings.p_rope import TruncatedRoPE
 from posenc.encodings.rope import rotary_dims
 

@@ -18,41 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from posenc.encodings import LAYER_KINDS, layer_kind, scheme_class, stack_members
 from posenc.encodings.base import PositionalEncoding
-
-
-@dataclass(frozen=True)
-class LengthScaled:
-    """A setting worth ``ratio`` × the training length L (``paper`` says whose ratio), at least ``minimum``."""
-
-    ratio: float
-    paper: str
-    minimum: float = 1
-    integer: bool = True
-
-    def at(self, train_length: int) -> int | float:
-        """The setting's value for a run training at ``train_length``."""
-        value = max(self.minimum, self.ratio * train_length)
-        return math.ceil(value) if self.integer else float(value)
-
-    @property
-    def rule(self) -> str:
-        """The rule in words, e.g. ``L/16 (T5: 32 at L = 512)``."""
-        if self.ratio == 1:
-            share = "L"
-        elif self.ratio < 1 and (1 / self.ratio).is_integer():
-            share = f"L/{int(1 / self.ratio)}"
-        else:
-            share = f"{self.ratio:g}·L"
-        floor = f", at least {self.minimum:g}" if self.minimum > 1 else ""
-        return f"{share}{floor} ({self.paper})"
-
+from posenc.encodings.forms import LengthScaled
 
 # A local layer's window when the config leaves it unset: half the training length, as Gemma 2 trained (4,096 of 8,192).
 WINDOW = LengthScaled(1 / 2, "Gemma 2: 4,096 at L = 8,192")

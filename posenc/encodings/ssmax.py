@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
-from posenc.encodings.length import LengthScaled
+from posenc.encodings.forms import LengthScaled
 
 
 def visible_keys(q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -16,8 +16,7 @@ from torch import Tensor, nn
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
-from posenc.encodings.forms import ScoreMod, TableForm
-from posenc.encodings.length import LengthScaled
+from posenc.encodings.forms import LengthScaled, ScoreMod, TableForm
 
 
 def t5_bucket(d: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from posenc.encodings import register
 from posenc.encodings.base import PositionalEncoding
-from posenc.encodings.length import LengthScaled
+from posenc.encodings.forms import LengthScaled
 from posenc.encodings.rope import fused_on_gpu, rotate_half
 
 
