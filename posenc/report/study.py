@@ -44,7 +44,8 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
     """Keep each run's records (never a checkpoint) in ``records/<run>/``, compressed, replacing what was there.
 
     Only what the report reads, and compressed (``write_kept``): of the loss by position only the longest window's,
-    which a figure draws (``_rounded``); a run's attention statistics once, from the evaluation the report reads them
+    which a figure draws (``_rounded``); a finished run's config once, in its results (``without_config``); a run's
+    attention statistics once, from the evaluation the report reads them
     from (``once_per_run``: every protocol measures them on the same windows); everything else as recorded. A
     benchmark's record
     (``find_bench``) goes to ``records/bench-<i>/``, in the same staged copy.
@@ -67,7 +68,8 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
         for record in (*RECORD_FILES, "failed.json"):
             if record_path(source / record) is not None:
                 (target / record).parent.mkdir(parents=True, exist_ok=True)
-                write_kept(target / record, read_record(source / record))
+                kept = read_record(source / record)
+                write_kept(target / record, kept if run.get("failed") else without_config(kept))
         for record in _older_curve(run):
             if (source / record).is_file():
                 (target / record).parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +79,14 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
         shutil.copyfile(record["_source"], staging / f"bench-{index}" / BENCH_FILE)
     shutil.rmtree(records, ignore_errors=True)
     staging.rename(records) if staging.exists() else records.mkdir(parents=True, exist_ok=True)
+
+
+def without_config(record: Any) -> Any:
+    """A finished run's ``run.json`` or ``done.json`` without the config: its results file carries the same one.
+
+    No report reads a config from either, and three copies were a third of a kept run's bytes.
+    """
+    return {key: value for key, value in record.items() if key != "config"} if isinstance(record, dict) else record
 
 
 def _rounded(result: dict[str, Any]) -> dict[str, Any]:
