@@ -34,7 +34,12 @@ def _run(root: Path, label: str, seed: int, ppl: tuple[float, float], speed: flo
     conditions = {"device": "cpu × 2", "torch": "2.13.0+cpu", "threads": 2, "load_per_core": 0.9}
     record = {"steps": 10, "tokens": 10 * speed, "train_seconds": 60.0, "tokens_per_sec": speed}
     (folder / "run.json").write_text(json.dumps(record | {"train_conditions": conditions}))
-    done = {"run_name": folder.name, "finished_at": f"2026-11-26T10:0{seed}:00+0000", "steps": 10}
+    done = {
+        "run_name": folder.name,
+        "finished_at": f"2026-11-26T10:0{seed}:00+0000",
+        "steps": 10,
+        "config": {"seed": seed},
+    }
     (folder / "done.json").write_text(json.dumps(done))
     (folder / "checkpoints").mkdir()
     (folder / "checkpoints" / "last.ckpt").write_bytes(b"weights")
@@ -64,6 +69,7 @@ def test_a_study_document_regenerates_from_the_records_kept_beside_it(
     kept = sorted(p.relative_to(records).as_posix() for p in records.rglob("*") if p.is_file())
     assert "alibi-L32-s0/eval/results.json.gz" in kept and "alibi-L32-s0/run.json.gz" in kept  # kept compressed
     assert not any(name.endswith(".ckpt") for name in kept)  # records only, never weights
+    assert "config" not in read_record(records / "alibi-L32-s0" / "done.json")  # kept once, in the results
     # Hand-written reading after the block survives; the block regenerates from the kept records alone.
     out.write_text(out.read_text() + "\n## Reading\n\nA claim naming its table.\n")
     shutil.rmtree("outputs")
