@@ -84,8 +84,11 @@ def test_sensitivity_is_the_mean_excess_capped_loss_over_the_rates() -> None:
 def test_the_section_ranks_schemes_and_says_where_the_grid_stops_short() -> None:
     lines = stability_section([*RUNS, _run("t5", 1e-3, 2.0), _run("t5", 2e-3, 1.9)])
     table = [line for line in lines if line.startswith("| ") and "nats" not in line and "rate |" not in line]
-    # t5 0.05, nope 0.55, alibi 1.15, rope 1.8: the least sensitive first
-    assert [row.split(" | ")[0] for row in table[:4]] == ["| t5", "| nope", "| alibi", "| rope"]
+    # Over the rates every scheme ran (1e-3, 2e-3): t5 0.05, alibi 0.1, nope 0.55, rope 1.8, the least sensitive
+    # first; alibi's highest stable rate still reads its every rate (4e-3, and 8e-3 diverged).
+    assert [row.split(" | ")[0] for row in table[:4]] == ["| t5", "| alibi", "| nope", "| rope"]
+    assert "| alibi | 0.100 | 0.002 | 0.004 | yes |" in "\n".join(lines)
+    assert "over the 2 rates every scheme ran (0.001, 0.002)" in "\n".join(lines)
     assert "| t5 | 0.050 | 0.002 | 0.002 | no: extend the grid upward |" in "\n".join(lines)
     assert "| 0.008 | 1 | 1 | 5.5000 | no | 0 | 0 | 1.2 | 9 |" in "\n".join(lines)  # alibi's diverged rate, counted
 

@@ -16,6 +16,10 @@ the edge: the section says so, and that the grid must be extended upward. **Spik
 thousand steps of the loss and of the gradient norm (``posenc/training/stability.py``: more than 6 standard
 deviations above the mean of the 128 steps before), pooled over the scheme's runs at its stable rates.
 
+Sensitivities are compared over one range: the rates every scheme of the report ran (``shared_rates``); a rate
+only some ran (a step past the grid for the schemes stable throughout it) counts towards their highest stable rate
+and shows in their table, not in their sensitivity.
+
 **Which scheme is more stable** is a test on the difference of two sensitivities, in the report's three words:
 separated (Holm-adjusted two-sided t), equivalent (two one-sided tests against ``MARGIN``, Holm-adjusted), or
 inconclusive. A sensitivity's only noise is each point's seed noise, so its standard error is σ times a factor its
@@ -108,15 +112,21 @@ def stable(point: RatePoint, start: float) -> bool:
     return all(loss is not None and loss < start for loss in point.losses)
 
 
-def summary(by_rate: dict[float, RatePoint]) -> dict[str, Any] | None:
-    """A scheme's sensitivity, highest stable rate, whether the grid reached an unstable rate, and spike rates."""
+def summary(by_rate: dict[float, RatePoint], shared: set[float] | None = None) -> dict[str, Any] | None:
+    """A scheme's sensitivity, highest stable rate, whether the grid reached an unstable rate, and spike rates.
+
+    ``shared``: the rates the sensitivity and the best rate are taken over (those every compared scheme ran, so that
+    two sensitivities average over one range); the highest stable rate and the spikes read every rate the scheme ran.
+    """
     start = initial_loss(by_rate)
     if start is None or not by_rate:
         return None
-    rates = sorted(by_rate)
+    rates = sorted(rate for rate in by_rate if shared is None or rate in shared)
+    if not rates:
+        return None
     points = [capped(by_rate[rate], start) for rate in rates]
     best = min(points)
-    steady = [rate for rate in rates if stable(by_rate[rate], start)]
+    steady = [rate for rate in sorted(by_rate) if stable(by_rate[rate], start)]
     records = [r for rate in steady for r in by_rate[rate].records if r.get("steps")]
     steps = sum(r["steps"] for r in records)
     per_thousand = {
@@ -128,7 +138,7 @@ def summary(by_rate: dict[float, RatePoint]) -> dict[str, Any] | None:
         "sensitivity": statistics.fmean(point - best for point in points) if len(rates) > 1 else None,
         "best_rate": rates[points.index(best)],
         "highest_stable": max(steady) if steady else None,
-        "reached_unstable": len(steady) < len(rates),
+        "reached_unstable": len(steady) < len(by_rate),
         "rates": len(rates),
         **{f"{kind}_spikes_per_1k": value for kind, value in per_thousand.items()},
     }
@@ -153,6 +163,11 @@ def seed_noise(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[float, int
     return (math.sqrt(squares / df), df) if df else None
 
 
+def shared_rates(by_scheme: dict[str, dict[float, RatePoint]]) -> set[float]:
+    """The rates every scheme ran: the one range their sensitivities average over."""
+    return set.intersection(*(set(by_rate) for by_rate in by_scheme.values())) if by_scheme else set()
+
+
 def _variance_factor(by_rate: dict[float, RatePoint], best: float) -> float:
     """Var(sensitivity) / σ²: the mean of k point means minus the best of them, each point the mean of its n runs.
 
@@ -167,8 +182,8 @@ def comparisons(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[list[dict
 
     One Holm family for "no difference" and one for the equivalence tests, over all pairs, as the comparison does.
     """
-    noise = seed_noise(by_scheme)
-    summaries = {label: summary(by_rate) for label, by_rate in by_scheme.items()}
+    noise, shared = seed_noise(by_scheme), shared_rates(by_scheme)
+    summaries = {label: summary(by_rate, shared) for label, by_rate in by_scheme.items()}
     usable = sorted(label for label, s in summaries.items() if s is not None and s["sensitivity"] is not None)
     if noise is None or len(usable) < 2:
         return [], noise
@@ -177,7 +192,10 @@ def comparisons(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[list[dict
     for index, a in enumerate(usable):
         for b in usable[index + 1 :]:
             diff = summaries[a]["sensitivity"] - summaries[b]["sensitivity"]
-            factors = [_variance_factor(by_scheme[x], summaries[x]["best_rate"]) for x in (a, b)]
+            factors = [
+                _variance_factor({r: p for r, p in by_scheme[x].items() if r in shared}, summaries[x]["best_rate"])
+                for x in (a, b)
+            ]
             se = sd * math.sqrt(sum(factors))
             if not se > 0:
                 continue
@@ -223,9 +241,10 @@ def _cell(value: float | None, spec: str) -> str:
 def stability_section(results: Sequence[dict[str, Any]]) -> list[str]:
     """The summary per scheme, ranked by sensitivity, then each scheme's rates, diverged runs included."""
     by_scheme = {label: by_rate for label, by_rate in grid(results).items() if summary(by_rate) is not None}
+    shared = shared_rates(by_scheme)
     if not by_scheme:
         return ["", "## Stability", "", "No run records its stability at an in-length validation loss."]
-    summaries = {label: summary(by_rate) for label, by_rate in by_scheme.items()}
+    summaries = {label: summary(by_rate, shared) or summary(by_rate) for label, by_rate in by_scheme.items()}
     ranked = sorted(
         summaries, key=lambda label: (summaries[label]["sensitivity"] is None, summaries[label]["sensitivity"] or 0)
     )
@@ -233,7 +252,9 @@ def stability_section(results: Sequence[dict[str, Any]]) -> list[str]:
         "",
         "## Stability: learning-rate sensitivity, highest stable rate, spikes",
         "",
-        f"Measure: {MEASURE}. A rate is stable when every run at it finished below the loss at initialisation. "
+        f"Measure: {MEASURE}; over the {len(shared)} rates every scheme ran "
+        f"({', '.join(f'{rate:g}' for rate in sorted(shared))}), so that every sensitivity averages over one range. "
+        "A rate is stable when every run at it finished below the loss at initialisation. "
         "Spikes per 1,000 steps at the stable rates; a spike is more than 6 standard deviations above the mean of the "
         "128 steps before it (OLMo-core's rule).",
         "",
