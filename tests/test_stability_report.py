@@ -197,3 +197,9 @@ def test_equal_schemes_are_rarely_separated_and_close_ones_are_found_equivalent(
         equivalent += "equivalent" in row["words"]
     assert separated / trials <= 0.08  # α = 0.05, with simulation error
     assert equivalent / trials >= 0.9  # σ = 0.004 nats against a margin of 0.02
+
+
+def test_the_added_entries_are_tuned_by_the_tunings_own_grid_beside_its_runs(tmp_path: Path) -> None:
+    grid_points = {f"lr{lr}-x{x}" for lr in RATES[:4] for x in (1, 10, 100)}
+    expected = {f"{s}-{point}-L64-s10" for s in ("fope", "cable", "grape_a", "grape_m") for point in grid_points}
+    assert _jobs(tmp_path, "tune_additions") == expected
