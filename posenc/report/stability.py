@@ -221,7 +221,8 @@ def _comparison_lines(by_scheme: dict[str, dict[float, RatePoint]]) -> list[str]
         "",
         f"Pairs (first minus second; negative: the first is less sensitive). Seed noise σ = {sd:.4f} nats from "
         f"{df} degrees of freedom (the points with more than one seed); equivalence margin ±{MARGIN} nats; Holm over "
-        f"the {len(rows)} pairs.",
+        f"the {len(rows)} pairs for the words; the intervals are each pair's own, unadjusted, so one can miss 0 where "
+        "the Holm-adjusted test does not separate.",
         "",
         "| pair | difference (nats) | 95% interval | words |",
         "|---|---:|---|---|",
