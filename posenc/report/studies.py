@@ -206,8 +206,10 @@ STUDIES = {
         "python -m posenc.train -m -cd sweeps -cn stability  # schemes with a multiplier of 1, nine rates, seed 10\n"
         "python -m posenc.train -m -cd sweeps -cn stability +encoding=fire,kerple_log optim.scheme_lr_multiplier=10\n"
         "python -m posenc.train -m -cd sweeps -cn stability +encoding=t5 optim.scheme_lr_multiplier=100\n"
-        "# then, per scheme, its highest stable rate and the next one at two more seeds (three at the edge), e.g.\n"
-        "#   python -m posenc.train -m -cd sweeps -cn stability +encoding=alibi optim.lr=3.2e-2,6.4e-2 seed=11,12",
+        "# then the edges: a scheme unstable inside the grid, its highest stable rate and the next at seeds 11, 12;\n"
+        "# one stable throughout it (every scheme here) runs one step further at seed 10 and its top at seeds 11, 12:\n"
+        "python -m posenc.train -m -cd sweeps -cn stability optim.lr=0.512  # and likewise at x10 and x100, as above\n"
+        "python -m posenc.train -m -cd sweeps -cn stability optim.lr=0.256 seed=11,12",
         "outputs/sweeps/stability",
         stability=True,
     ),
