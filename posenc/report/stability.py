@@ -39,12 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scipy import stats as scipy_stats
-
-from posenc.evaluate.crossed import ALPHA, verdict
+from posenc.evaluate.crossed import SEEDS_ONLY, Estimate
 from posenc.evaluate.plots import plot_lines
-from posenc.evaluate.stats import holm
 from posenc.layout import encoding_label
+from posenc.report.claims import words
 from posenc.report.tuning import in_length_loss
 
 MEASURE = (
@@ -103,9 +101,14 @@ def initial_loss(by_rate: dict[float, RatePoint]) -> float | None:
     return statistics.fmean(losses) if losses else None
 
 
+def capped_losses(point: RatePoint, start: float) -> list[float]:
+    """Each run's min(ℓ, ℓ₀), a diverged run counting ℓ₀."""
+    return [start if loss is None else min(loss, start) for loss in point.losses]
+
+
 def capped(point: RatePoint, start: float) -> float:
-    """The mean over a rate's runs of min(ℓ, ℓ₀), a diverged run counting ℓ₀."""
-    return statistics.fmean(start if loss is None else min(loss, start) for loss in point.losses)
+    """The mean over a rate's runs of their capped losses."""
+    return statistics.fmean(capped_losses(point, start))
 
 
 def stable(point: RatePoint, start: float) -> bool:
@@ -156,7 +159,7 @@ def seed_noise(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[float, int
         for point in by_rate.values():
             if start is None or len(point.losses) < 2:
                 continue
-            values = [start if loss is None else min(loss, start) for loss in point.losses]
+            values = capped_losses(point, start)
             mean = statistics.fmean(values)
             squares += sum((value - mean) ** 2 for value in values)
             df += len(values) - 1
@@ -188,7 +191,8 @@ def comparisons(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[list[dict
     if noise is None or len(usable) < 2:
         return [], noise
     sd, df = noise
-    rows, differs, same = [], {}, {}
+    rows: list[dict[str, Any]] = []
+    estimates: dict[str, Estimate] = {}
     for index, a in enumerate(usable):
         for b in usable[index + 1 :]:
             diff = summaries[a]["sensitivity"] - summaries[b]["sensitivity"]
@@ -199,16 +203,12 @@ def comparisons(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[list[dict
             se = sd * math.sqrt(sum(factors))
             if not se > 0:
                 continue
-            name = f"{a} vs {b}"
-            differs[name] = float(2 * scipy_stats.t.sf(abs(diff) / se, df))
-            same[name] = float(
-                max(scipy_stats.t.sf((MARGIN - diff) / se, df), scipy_stats.t.sf((diff + MARGIN) / se, df))
-            )
-            half = float(scipy_stats.t.ppf(1 - ALPHA / 2, df)) * se
-            rows.append({"name": name, "a": a, "b": b, "difference": diff, "interval": (diff - half, diff + half)})
-    differs, same = holm(differs), holm(same)
+            seeds = max(len(point.losses) for x in (a, b) for point in by_scheme[x].values())
+            estimates[f"{a} vs {b}"] = Estimate(diff, se, df, seeds, 1, SEEDS_ONLY)
+            rows.append({"name": f"{a} vs {b}", "a": a, "b": b, "difference": diff})
+    found = words(estimates, MARGIN)
     for row in rows:
-        row["words"] = verdict(differs[row["name"]], same[row["name"]], ALPHA)
+        row["interval"], row["words"] = estimates[row["name"]].interval(), found[row["name"]]
     return rows, noise
 
 
