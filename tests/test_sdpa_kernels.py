@@ -8,6 +8,7 @@ from conftest import HEAD_DIM, HEADS, SCHEMES, layer_features, make
 from torch.profiler import ProfilerActivity, profile
 
 import posenc.attention.sdpa as sdpa
+import posenc.attention.sdpa_content as sdpa_content
 import posenc.attention.tables as tables
 from posenc.attention import get_backend
 from posenc.attention.tables import has_gradient_forms, reads_table
@@ -164,7 +165,7 @@ def test_content_bias_chunks_are_sized_from_the_gpus_memory(monkeypatch: pytest.
         total_memory = 80 * 2**30
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: H100)
-    assert sdpa.content_chunk_elements(torch.device("cpu")) == sdpa.MAX_CONTENT_ELEMENTS
-    on_gpu = sdpa.content_chunk_elements(torch.device("cuda", 0))
-    assert on_gpu * 4 * sdpa.CONTENT_TEMPORARIES <= H100.total_memory // 4  # a bounded share of the memory
+    assert sdpa_content.content_chunk_elements(torch.device("cpu")) == sdpa_content.MAX_CONTENT_ELEMENTS
+    on_gpu = sdpa_content.content_chunk_elements(torch.device("cuda", 0))
+    assert on_gpu * 4 * sdpa_content.CONTENT_TEMPORARIES <= H100.total_memory // 4  # a bounded share of the memory
     assert -(-16384 // (on_gpu // (12 * 16384))) <= 64  # chunks per layer at 16K, 12 heads

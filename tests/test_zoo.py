@@ -14,7 +14,7 @@ import torch
 from conftest import CONTENT_SCHEMES, HEAD_DIM, HEADS, layer_features, make
 from helpers import FAST, compose_train
 
-import posenc.attention.sdpa as sdpa
+import posenc.attention.sdpa_content as sdpa_content
 from posenc.attention import get_backend
 from posenc.attention.auto import choose
 from posenc.encodings.alibi import alibi_slopes
@@ -54,8 +54,8 @@ def _attention_grads(backend: str, name: str, length: int) -> list[torch.Tensor]
 def test_chunked_sdpa_content_bias_matches_eager_values_and_gradients(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sdpa, "MAX_CONTENT_ELEMENTS", 2 * HEADS * 5 * 37)  # chunks of ≤ 5 queries
-    monkeypatch.setattr(sdpa, "MAX_FOLDED_ROWS", 5)  # the same for a bias folded into q and k (key_bias)
+    monkeypatch.setattr(sdpa_content, "MAX_CONTENT_ELEMENTS", 2 * HEADS * 5 * 37)  # chunks of ≤ 5 queries
+    monkeypatch.setattr(sdpa_content, "MAX_FOLDED_ROWS", 5)  # the same for a bias folded into q and k (key_bias)
     expected = _attention_grads("eager", name, 37)
     got = _attention_grads("sdpa", name, 37)
     assert len(got) == len(expected) > 4  # the scheme's parameters receive gradients
