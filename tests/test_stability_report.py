@@ -89,7 +89,7 @@ def test_the_section_ranks_schemes_and_says_where_the_grid_stops_short() -> None
     assert [row.split(" | ")[0] for row in table[:4]] == ["| t5", "| alibi", "| nope", "| rope"]
     assert "| alibi | 0.100 | 0.002 | 0.004 | yes |" in "\n".join(lines)
     assert "over the 2 rates every scheme ran (0.001, 0.002)" in "\n".join(lines)
-    assert "| t5 | 0.050 | 0.002 | 0.002 | no: extend the grid upward |" in "\n".join(lines)
+    assert "| t5 | 0.050 | 0.002 | 0.002 | no, up to 0.002: a lower bound |" in "\n".join(lines)
     assert "| 0.008 | 1 | 1 | 5.5000 | no | 0 | 0 | 1.2 | 9 |" in "\n".join(lines)  # alibi's diverged rate, counted
 
 
@@ -158,7 +158,7 @@ RATES_F = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
 
 
 def test_a_pair_of_sensitivities_earns_its_words_from_the_pooled_seed_noise() -> None:
-    from posenc.report.stability import MARGIN, _variance_factor, comparisons, seed_noise
+    from posenc.report.stability import MARGIN, _weights, comparisons, seed_noise
 
     runs = [  # two seeds more at the last rate of each: the seed noise comes from there
         *(_run("alibi", rate, loss) for rate, loss in zip(RATES_F, (2.0, 1.9, 1.8, 1.9, 2.1), strict=True)),
@@ -167,17 +167,48 @@ def test_a_pair_of_sensitivities_earns_its_words_from_the_pooled_seed_noise() ->
         _run("rope", 1.6e-2, 4.1, seed=11), _run("rope", 1.6e-2, 3.9, seed=12),
     ]  # fmt: skip
     by_scheme = grid(runs)
-    sd, df = seed_noise(by_scheme)
-    assert df == 4 and sd == pytest.approx(0.1)  # each edge: 2.1, 2.2, 2.0 and 4.0, 4.1, 3.9
+    variance, df = seed_noise(by_scheme).pooled
+    assert df == 4 and variance == pytest.approx(0.01)  # each edge: 2.1, 2.2, 2.0 and 4.0, 4.1, 3.9
     # k = 5 rates, 1 + 1 + 1 + 1 + 3 runs, the best (4e-3) one run: (4 + 1/3) / 25 + 1 − 2 / 5
-    assert _variance_factor(by_scheme["alibi"], 4e-3) == pytest.approx((4 + 1 / 3) / 25 + 1 - 2 / 5)
+    assert sum(_weights(by_scheme["alibi"], 4e-3).values()) == pytest.approx((4 + 1 / 3) / 25 + 1 - 2 / 5)
     (row,), _ = comparisons(by_scheme)
     alibi = (0.2 + 0.1 + 0 + 0.1 + 0.3) / 5  # the last rate's mean is 2.1
     rope = (0.2 + 0.1 + 0 + 1.2 + 2.2) / 5
     assert row["name"] == "alibi vs rope" and row["difference"] == pytest.approx(alibi - rope)
     assert row["words"] == ("separated",) and row["interval"][1] < -MARGIN
     lines = "\n".join(stability_section(runs))
-    assert "σ = 0.1000 nats from 4 degrees of freedom" in lines and "| alibi vs rope | -0.600 |" in lines
+    assert "0.1000 at 0.016 (4 df); at every other rate their pool, 0.1000 (4 df)" in lines
+    assert "| alibi vs rope | -0.600 |" in lines
+
+
+def test_the_seed_noise_is_each_rates_own_and_the_degrees_of_freedom_satterthwaites() -> None:
+    from posenc.report.stability import _weights, comparisons, difference_error, seed_noise
+
+    runs = [  # three seeds at the best rate (quiet) and at the top (loud); single runs between them
+        *(_run("a", rate, loss) for rate, loss in zip(RATES_F, (2.0, 1.9, 1.8, 1.9, 2.1), strict=True)),
+        _run("a", 4e-3, 1.81, seed=11), _run("a", 4e-3, 1.79, seed=12),
+        _run("a", 1.6e-2, 2.3, seed=11), _run("a", 1.6e-2, 1.9, seed=12),
+        *(_run("b", rate, loss) for rate, loss in zip(RATES_F, (2.0, 1.9, 1.8, 1.9, 2.1), strict=True)),
+        _run("b", 4e-3, 1.8, seed=11), _run("b", 4e-3, 1.8, seed=12),
+    ]  # fmt: skip
+    by_scheme = grid(runs)
+    noise = seed_noise(by_scheme)
+    quiet, loud = 0.01**2 * 2 / 4, 0.2**2 * 2 / 2  # 4e-3: a's 1.8 ± 0.01, b's no spread; 1.6e-2: a's 2.1 ± 0.2
+    assert noise.variance(4e-3) == (pytest.approx(quiet), 4, 4e-3)
+    assert noise.variance(1.6e-2) == (pytest.approx(loud), 2, 1.6e-2)
+    pooled = (0.01**2 * 2 + 0.2**2 * 2) / 6
+    assert noise.variance(1e-3) == (pytest.approx(pooled), 6, None)  # no seeds to spare there: the pool
+    weights = [_weights(by_scheme[x], 4e-3) for x in ("a", "b")]
+    # Each scheme: 1/k² = 1/25 at the three single rates, (1/5 − 1)² / 3 at the best; at the top a's 1/25/3 and b's
+    # 1/25, both at the top's own σ (b ran one seed there, a three).
+    best, top_a, top_b, single = (0.2 - 1) ** 2 / 3, 1 / 75, 1 / 25, 1 / 25
+    pieces = {"quiet": 2 * best * quiet, "loud": (top_a + top_b) * loud, "pool": 6 * single * pooled}
+    se, df = difference_error(weights, noise)
+    assert se == pytest.approx(sum(pieces.values()) ** 0.5)
+    assert df == pytest.approx(sum(pieces.values()) ** 2 / (pieces["quiet"] ** 2 / 4 + pieces["loud"] ** 2 / 2
+                                                            + pieces["pool"] ** 2 / 6))  # fmt: skip
+    (row,), _ = comparisons(by_scheme)
+    assert row["interval"][1] - row["interval"][0] > 0
 
 
 def test_equal_schemes_are_rarely_separated_and_close_ones_are_found_equivalent() -> None:
@@ -203,3 +234,30 @@ def test_the_added_entries_are_tuned_by_the_tunings_own_grid_beside_its_runs(tmp
     grid_points = {f"lr{lr}-x{x}" for lr in RATES[:4] for x in (1, 10, 100)}
     expected = {f"{s}-{point}-L64-s10" for s in ("fope", "cable", "grape_a", "grape_m") for point in grid_points}
     assert _jobs(tmp_path, "tune_additions") == expected
+
+
+def test_intervals_cover_when_the_seed_noise_grows_along_the_grid() -> None:
+    """Quiet at the low rates (σ = 0.004), loud where the runs collapse (σ = 0.1): per-rate noise keeps 95% coverage."""
+    import numpy as np
+
+    from posenc.report.stability import comparisons
+
+    rng = np.random.default_rng(1)
+    curve, spread = [2.0, 1.9, 1.85, 2.3, 3.0], [0.004, 0.004, 0.004, 0.1, 0.1]
+
+    def runs(scheme: str) -> list[dict]:  # three seeds at the best rate and at the top, one elsewhere
+        return [
+            _run(scheme, rate, true + float(rng.normal(0, sd)), seed=seed)
+            for index, (rate, true, sd) in enumerate(zip(RATES_F, curve, spread, strict=True))
+            for seed in range(10, 13 if index in (2, 4) else 11)
+        ]
+
+    covered = separated = 0
+    trials = 400
+    for _ in range(trials):
+        (row,), _ = comparisons(grid([*runs("a"), *runs("b")]))
+        low, high = row["interval"]
+        covered += low <= 0 <= high
+        separated += "separated" in row["words"]
+    assert 0.92 <= covered / trials <= 0.98  # 95% intervals, with simulation error (1,000 draws: 94.5%)
+    assert separated / trials <= 0.08

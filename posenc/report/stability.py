@@ -12,8 +12,8 @@ before any update, as each run records it (``run.json``'s ``stability``), the me
 
 A rate is **stable** for a scheme when every run at it finished, with a finite loss, below ℓ₀; the **highest stable
 rate** is the largest such rate of the grid. A scheme whose every rate of the grid is stable has not been taken to
-the edge: the section says so, and that the grid must be extended upward. **Spike rates** are the spikes per
-thousand steps of the loss and of the gradient norm (``posenc/training/stability.py``: more than 6 standard
+the edge: the section says so, and that its highest stable rate is only a lower bound. **Spike rates** are the spikes
+per thousand steps of the loss and of the gradient norm (``posenc/training/stability.py``: more than 6 standard
 deviations above the mean of the 128 steps before), pooled over the scheme's runs at its stable rates.
 
 Sensitivities are compared over one range: the rates every scheme of the report ran (``shared_rates``); a rate
@@ -22,11 +22,15 @@ and shows in their table, not in their sensitivity.
 
 **Which scheme is more stable** is a test on the difference of two sensitivities, in the report's three words:
 separated (Holm-adjusted two-sided t), equivalent (two one-sided tests against ``MARGIN``, Holm-adjusted), or
-inconclusive. A sensitivity's only noise is each point's seed noise, so its standard error is σ times a factor its
-grid fixes (``_variance_factor``), with σ pooled over every point where more than one seed ran (the edges, where
-each scheme runs three), all schemes together: a grid without such points earns no word. Pooling the edges, where
-one seed can diverge and another not, makes σ an upper estimate for the flat part of the curve, so the test errs
-towards inconclusive; the best point is taken as fixed, so the minimum's downward bias is not corrected.
+inconclusive. A sensitivity's only noise is each point's seed noise, and that noise grows along the grid (runs near
+collapse differ by seed far more than runs at a good rate), so one σ for every point would let the loud edges set the
+error of the quiet best point, which dominates it. It is therefore estimated per rate
+(``SeedNoise``): pooled over the schemes that ran more than one seed at that rate, and at a rate where none did, the
+pool of every such point. The standard error is the sum over rates of each point's weight in the sensitivity (1/k,
+and 1/k − 1 at the best rate) squared, times its variance over its runs; its degrees of freedom are Satterthwaite's
+over the estimates it uses (treated as independent, though the pool shares data with the per-rate ones). A grid
+without a point of more than one seed earns no word. The best point is taken as fixed, so the minimum's downward
+bias is not corrected.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import matplotlib.ticker
+
 from posenc.evaluate.crossed import SEEDS_ONLY, Estimate
-from posenc.evaluate.plots import plot_lines
+from posenc.evaluate.plots import line_figure, save_figure
 from posenc.layout import encoding_label
 from posenc.report.claims import words
 from posenc.report.tuning import in_length_loss
@@ -142,28 +148,48 @@ def summary(by_rate: dict[float, RatePoint], shared: set[float] | None = None) -
         "best_rate": rates[points.index(best)],
         "highest_stable": max(steady) if steady else None,
         "reached_unstable": len(steady) < len(by_rate),
+        "top_rate": max(by_rate),
         "rates": len(rates),
         **{f"{kind}_spikes_per_1k": value for kind, value in per_thousand.items()},
     }
 
 
-def seed_noise(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[float, int] | None:
-    """σ, the seed spread of a capped final loss, and its degrees of freedom, pooled over points with seeds to spare.
+@dataclass
+class SeedNoise:
+    """The seed spread of a capped final loss: squares and degrees of freedom per rate, and all of them pooled.
 
     Each point's runs differ only in their seed, so the spread within a point is seed noise; the points of every scheme
-    are pooled (one σ for all, the same assumption the tuning's tie width makes). None where no point has two runs.
+    at one rate are pooled (one σ a rate for all schemes, the assumption the tuning's tie width makes for one σ).
     """
-    squares, df = 0.0, 0
-    for by_rate in by_scheme.values():
-        start = initial_loss(by_rate)
-        for point in by_rate.values():
+
+    by_rate: dict[float, tuple[float, int]]  # rate: (sum of squared deviations from each point's mean, df)
+
+    @property
+    def pooled(self) -> tuple[float, int]:
+        squares, df = (sum(values) for values in zip(*self.by_rate.values(), strict=True))
+        return squares / df, df
+
+    def variance(self, rate: float) -> tuple[float, int, float | None]:
+        """σ² at ``rate``, its degrees of freedom, and the rate it was measured at (None: the pool)."""
+        if rate in self.by_rate:
+            squares, df = self.by_rate[rate]
+            return squares / df, df, rate
+        return (*self.pooled, None)
+
+
+def seed_noise(by_scheme: dict[str, dict[float, RatePoint]]) -> SeedNoise | None:
+    """The seed noise of every rate where some scheme ran more than one seed; None where no point did."""
+    by_rate: dict[float, tuple[float, int]] = {}
+    for by_rate_runs in by_scheme.values():
+        start = initial_loss(by_rate_runs)
+        for rate, point in by_rate_runs.items():
             if start is None or len(point.losses) < 2:
                 continue
             values = capped_losses(point, start)
             mean = statistics.fmean(values)
-            squares += sum((value - mean) ** 2 for value in values)
-            df += len(values) - 1
-    return (math.sqrt(squares / df), df) if df else None
+            squares, df = by_rate.get(rate, (0.0, 0))
+            by_rate[rate] = (squares + sum((value - mean) ** 2 for value in values), df + len(values) - 1)
+    return SeedNoise(by_rate) if by_rate else None
 
 
 def shared_rates(by_scheme: dict[str, dict[float, RatePoint]]) -> set[float]:
@@ -171,36 +197,57 @@ def shared_rates(by_scheme: dict[str, dict[float, RatePoint]]) -> set[float]:
     return set.intersection(*(set(by_rate) for by_rate in by_scheme.values())) if by_scheme else set()
 
 
-def _variance_factor(by_rate: dict[float, RatePoint], best: float) -> float:
-    """Var(sensitivity) / σ²: the mean of k point means minus the best of them, each point the mean of its n runs.
+def _weights(by_rate: dict[float, RatePoint], best: float) -> dict[float, float]:
+    """Var(sensitivity) = Σ weight_η · σ²_η: each point's coefficient (1/k, or 1/k − 1 at the best) squared over n_η.
 
-    (1/k²) Σ 1/n_η + 1/n_best − 2/(k · n_best): the best point is one of the k, hence the covariance term.
+    With one σ for all, Σ weight_η = (1/k²) Σ 1/n_η + 1/n_best − 2/(k · n_best): the best point is one of the k.
     """
-    k, n_best = len(by_rate), len(by_rate[best].losses)
-    return sum(1 / len(point.losses) for point in by_rate.values()) / k**2 + 1 / n_best - 2 / (k * n_best)
+    k = len(by_rate)
+    return {rate: (1 / k - (rate == best)) ** 2 / len(point.losses) for rate, point in by_rate.items()}
 
 
-def comparisons(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[list[dict[str, Any]], tuple[float, int] | None]:
+def difference_error(weights: Sequence[dict[float, float]], noise: SeedNoise) -> tuple[float, float]:
+    """The standard error of a difference of sensitivities and its Satterthwaite degrees of freedom.
+
+    Its variance is Σ over both schemes' points of weight × σ² at the point's rate; the terms that share an estimate
+    (one rate's, or the pool's) are one component, whose degrees of freedom are that estimate's.
+    """
+    components: dict[float | None, list[float]] = {}
+    for scheme in weights:
+        for rate, weight in scheme.items():
+            variance, df, source = noise.variance(rate)
+            component = components.setdefault(source, [0.0, variance, df])
+            component[0] += weight
+    total = sum(weight * variance for weight, variance, _ in components.values())
+    if not total > 0:
+        return 0.0, 1.0
+    spread = sum((weight * variance) ** 2 / df for weight, variance, df in components.values())
+    return math.sqrt(total), total**2 / spread
+
+
+def comparisons(
+    by_scheme: dict[str, dict[float, RatePoint]], summaries: dict[str, dict[str, Any] | None] | None = None
+) -> tuple[list[dict[str, Any]], SeedNoise | None]:
     """Every pair of schemes: the difference of their sensitivities, its 95% interval and the words it earns.
 
     One Holm family for "no difference" and one for the equivalence tests, over all pairs, as the comparison does.
     """
     noise, shared = seed_noise(by_scheme), shared_rates(by_scheme)
-    summaries = {label: summary(by_rate, shared) for label, by_rate in by_scheme.items()}
+    if summaries is None:
+        summaries = {label: summary(by_rate, shared) for label, by_rate in by_scheme.items()}
     usable = sorted(label for label, s in summaries.items() if s is not None and s["sensitivity"] is not None)
     if noise is None or len(usable) < 2:
         return [], noise
-    sd, df = noise
     rows: list[dict[str, Any]] = []
     estimates: dict[str, Estimate] = {}
     for index, a in enumerate(usable):
         for b in usable[index + 1 :]:
             diff = summaries[a]["sensitivity"] - summaries[b]["sensitivity"]
-            factors = [
-                _variance_factor({r: p for r, p in by_scheme[x].items() if r in shared}, summaries[x]["best_rate"])
+            weights = [
+                _weights({r: p for r, p in by_scheme[x].items() if r in shared}, summaries[x]["best_rate"])
                 for x in (a, b)
             ]
-            se = sd * math.sqrt(sum(factors))
+            se, df = difference_error(weights, noise)
             if not se > 0:
                 continue
             seeds = max(len(point.losses) for x in (a, b) for point in by_scheme[x].values())
@@ -212,15 +259,18 @@ def comparisons(by_scheme: dict[str, dict[float, RatePoint]]) -> tuple[list[dict
     return rows, noise
 
 
-def _comparison_lines(by_scheme: dict[str, dict[float, RatePoint]]) -> list[str]:
-    rows, noise = comparisons(by_scheme)
+def _comparison_lines(rows: list[dict[str, Any]], noise: SeedNoise | None) -> list[str]:
     if noise is None:
         return ["", "No point ran more than one seed, so the seed noise is unmeasured and no pair earns a word."]
-    sd, df = noise
+    measured = ", ".join(
+        f"{math.sqrt(squares / df):.4f} at {rate:g} ({df} df)" for rate, (squares, df) in sorted(noise.by_rate.items())
+    )
+    pooled, pooled_df = noise.pooled
     lines = [
         "",
-        f"Pairs (first minus second; negative: the first is less sensitive). Seed noise σ = {sd:.4f} nats from "
-        f"{df} degrees of freedom (the points with more than one seed); equivalence margin ±{MARGIN} nats; Holm over "
+        f"Pairs (first minus second; negative: the first is less sensitive). Seed noise σ, per rate over the schemes "
+        f"with more than one seed there: {measured}; at every other rate their pool, {math.sqrt(pooled):.4f} "
+        f"({pooled_df} df). Degrees of freedom per pair by Satterthwaite; equivalence margin ±{MARGIN} nats; Holm over "
         f"the {len(rows)} pairs for the words; the intervals are each pair's own, unadjusted, so one can miss 0 where "
         "the Holm-adjusted test does not separate.",
         "",
@@ -265,13 +315,13 @@ def stability_section(results: Sequence[dict[str, Any]]) -> list[str]:
     ]
     for label in ranked:
         s = summaries[label]
-        reached = "yes" if s["reached_unstable"] else "no: extend the grid upward"
+        reached = "yes" if s["reached_unstable"] else f"no, up to {s['top_rate']:g}: a lower bound"
         lines.append(
             f"| {label} | {_cell(s['sensitivity'], '.3f')} | {s['best_rate']:g} | {_cell(s['highest_stable'], 'g')} "
             f"| {reached} | {_cell(s['loss_spikes_per_1k'], '.2f')} | {_cell(s['grad_norm_spikes_per_1k'], '.2f')} "
             f"| {s['initial_loss']:.3f} |"
         )
-    lines += _comparison_lines(by_scheme)
+    lines += _comparison_lines(*comparisons(by_scheme, summaries))
     for label in ranked:
         lines += ["", f"### {label}", "", _rate_table(by_scheme[label], summaries[label]["initial_loss"])]
     return lines
@@ -311,4 +361,10 @@ def stability_plots(results: Sequence[dict[str, Any]], out_dir: Path) -> list[Pa
         return []
     path = out_dir / "stability_loss_vs_lr.png"
     title = "final in-length validation loss vs learning rate (capped at the loss at initialisation)"
-    return [plot_lines(series, path, title, "peak learning rate", "final loss (nats)", logx=True)]
+    fig, ax = line_figure(series, title, "peak learning rate", "final loss (nats)", logx=True)
+    rates = sorted({rate for rates, _, _ in series.values() for rate in rates})
+    ax.set_xticks(rates, [f"{rate:g}" for rate in rates], rotation=45, fontsize=7)  # the grid's rates, not 2^k
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+    return [path]
