@@ -23,14 +23,15 @@ and shows in their table, not in their sensitivity.
 **Which scheme is more stable** is a test on the difference of two sensitivities, in the report's three words:
 separated (Holm-adjusted two-sided t), equivalent (two one-sided tests against ``MARGIN``, Holm-adjusted), or
 inconclusive. A sensitivity's only noise is each point's seed noise, and that noise grows along the grid (runs near
-collapse differ by seed far more than runs at a good rate), so one σ for every point would let the loud edges set the
-error of the quiet best point, which dominates it. It is therefore estimated per rate
-(``SeedNoise``): pooled over the schemes that ran more than one seed at that rate, and at a rate where none did, the
-pool of every such point. The standard error is the sum over rates of each point's weight in the sensitivity (1/k,
-and 1/k − 1 at the best rate) squared, times its variance over its runs; its degrees of freedom are Satterthwaite's
-over the estimates it uses (treated as independent, though the pool shares data with the per-rate ones). A grid
-without a point of more than one seed earns no word. The best point is taken as fixed, so the minimum's downward
-bias is not corrected.
+collapse differ by seed far more than runs at a good rate), so one σ for every point would let the loud edges set
+the error of the quiet best point, which dominates it. It is therefore estimated per rate (``SeedNoise``): pooled
+over the schemes that ran more than one seed at that rate, and at a rate where none did, the larger of the σs
+measured on either side of it. The standard error is the sum over rates of each point's weight in the sensitivity
+(1/k, and 1/k − 1 at the best rate) squared, times its variance over its runs; its degrees of freedom are
+Satterthwaite's over the estimates it uses. Pooling over schemes at a rate assumes one scheme's seed noise there is
+another's: near one scheme's edge and far from another's it is not, and the pooled σ is then too large for the
+scheme far from its edge (the test errs towards inconclusive) and too small for the other. A grid without a point of
+more than one seed earns no word. The best point is taken as fixed, so the minimum's downward bias is not corrected.
 """
 
 from __future__ import annotations
@@ -164,17 +165,19 @@ class SeedNoise:
 
     by_rate: dict[float, tuple[float, int]]  # rate: (sum of squared deviations from each point's mean, df)
 
-    @property
-    def pooled(self) -> tuple[float, int]:
-        squares, df = (sum(values) for values in zip(*self.by_rate.values(), strict=True))
-        return squares / df, df
+    def variance(self, rate: float) -> tuple[float, int, float]:
+        """σ² at ``rate``, its degrees of freedom, and the rate it was measured at.
 
-    def variance(self, rate: float) -> tuple[float, int, float | None]:
-        """σ² at ``rate``, its degrees of freedom, and the rate it was measured at (None: the pool)."""
-        if rate in self.by_rate:
-            squares, df = self.by_rate[rate]
-            return squares / df, df, rate
-        return (*self.pooled, None)
+        A rate without replicates borrows the larger σ of the measured rates on either side of it (the nearest one
+        past the ends): noise grows towards an edge, so the neighbour nearer the edge bounds it from above.
+        """
+        if rate not in self.by_rate:
+            below = [r for r in self.by_rate if r < rate]
+            above = [r for r in self.by_rate if r > rate]
+            sides = ([max(below)] if below else []) + ([min(above)] if above else [])
+            rate = max(sides, key=lambda r: self.by_rate[r][0] / self.by_rate[r][1])
+        squares, df = self.by_rate[rate]
+        return squares / df, df, rate
 
 
 def seed_noise(by_scheme: dict[str, dict[float, RatePoint]]) -> SeedNoise | None:
@@ -212,7 +215,7 @@ def difference_error(weights: Sequence[dict[float, float]], noise: SeedNoise) ->
     Its variance is Σ over both schemes' points of weight × σ² at the point's rate; the terms that share an estimate
     (one rate's, or the pool's) are one component, whose degrees of freedom are that estimate's.
     """
-    components: dict[float | None, list[float]] = {}
+    components: dict[float, list[float]] = {}
     for scheme in weights:
         for rate, weight in scheme.items():
             variance, df, source = noise.variance(rate)
@@ -221,7 +224,7 @@ def difference_error(weights: Sequence[dict[float, float]], noise: SeedNoise) ->
     total = sum(weight * variance for weight, variance, _ in components.values())
     if not total > 0:
         return 0.0, 1.0
-    spread = sum((weight * variance) ** 2 / df for weight, variance, df in components.values())
+    spread = sum((weight * variance) ** 2 / df for weight, variance, df in components.values() if variance > 0)
     return math.sqrt(total), total**2 / spread
 
 
@@ -265,14 +268,13 @@ def _comparison_lines(rows: list[dict[str, Any]], noise: SeedNoise | None) -> li
     measured = ", ".join(
         f"{math.sqrt(squares / df):.4f} at {rate:g} ({df} df)" for rate, (squares, df) in sorted(noise.by_rate.items())
     )
-    pooled, pooled_df = noise.pooled
     lines = [
         "",
         f"Pairs (first minus second; negative: the first is less sensitive). Seed noise σ, per rate over the schemes "
-        f"with more than one seed there: {measured}; at every other rate their pool, {math.sqrt(pooled):.4f} "
-        f"({pooled_df} df). Degrees of freedom per pair by Satterthwaite; equivalence margin ±{MARGIN} nats; Holm over "
-        f"the {len(rows)} pairs for the words; the intervals are each pair's own, unadjusted, so one can miss 0 where "
-        "the Holm-adjusted test does not separate.",
+        f"with more than one seed there: {measured}; a rate without replicates takes the larger σ of the measured "
+        f"rates on either side. Degrees of freedom per pair by Satterthwaite; equivalence margin ±{MARGIN} nats; Holm "
+        f"over the {len(rows)} pairs for the words; the intervals are each pair's own, unadjusted, so one can miss 0 "
+        "where the Holm-adjusted test does not separate.",
         "",
         "| pair | difference (nats) | 95% interval | words |",
         "|---|---:|---|---|",
