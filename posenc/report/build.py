@@ -129,7 +129,8 @@ def build_report(
         sections += ["", f"## Left out: {len(left_out)} record(s) that could not be read", ""]
         sections += [f"- {problem}" for problem in left_out]
     if failed:
-        sections += ["", f"## Failed runs ({len(failed)}, not counted in any column)", ""]
+        counts = "counted as diverged in the stability tables" if stability_only else "not counted in any column"
+        sections += ["", f"## Failed runs ({len(failed)}, {counts})", ""]
         sections += [
             f"- {run['run_name']}: {run['failed']} ({Path(run.get('_source', 'W&B')).parent})" for run in failed
         ]
