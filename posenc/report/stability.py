@@ -157,7 +157,7 @@ def summary(by_rate: dict[float, RatePoint], shared: set[float] | None = None) -
 
 @dataclass
 class SeedNoise:
-    """The seed spread of a capped final loss: squares and degrees of freedom per rate, and all of them pooled.
+    """The seed spread of a capped final loss: squares and degrees of freedom per rate where seeds were replicated.
 
     Each point's runs differ only in their seed, so the spread within a point is seed noise; the points of every scheme
     at one rate are pooled (one σ a rate for all schemes, the assumption the tuning's tie width makes for one σ).
@@ -213,7 +213,8 @@ def difference_error(weights: Sequence[dict[float, float]], noise: SeedNoise) ->
     """The standard error of a difference of sensitivities and its Satterthwaite degrees of freedom.
 
     Its variance is Σ over both schemes' points of weight × σ² at the point's rate; the terms that share an estimate
-    (one rate's, or the pool's) are one component, whose degrees of freedom are that estimate's.
+    (one measured rate's, whether the points' own or borrowed) are one component, with that estimate's degrees of
+    freedom.
     """
     components: dict[float, list[float]] = {}
     for scheme in weights:
