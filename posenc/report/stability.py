@@ -267,7 +267,9 @@ def _comparison_lines(rows: list[dict[str, Any]], noise: SeedNoise | None) -> li
     if noise is None:
         return ["", "No point ran more than one seed, so the seed noise is unmeasured and no pair earns a word."]
     measured = ", ".join(
-        f"{math.sqrt(squares / df):.4f} at {rate:g} ({df} df)" for rate, (squares, df) in sorted(noise.by_rate.items())
+        f"{math.sqrt(variance):.4f} at {rate:g} ({df} df)"
+        for rate in sorted(noise.by_rate)
+        for variance, df, _ in [noise.variance(rate)]
     )
     lines = [
         "",
