@@ -81,6 +81,20 @@ STUDIES = {
         "OMP_NUM_THREADS=1 ... +encoding=rope,kerple_log,stick_breaking_trained,fox",
         "outputs/sweeps/comparison",
     ),
+    "layouts": Study(
+        "Deployed local/global layouts and the 2025–26 schemes on the comparison's recipe",
+        "python -m posenc.train -m -cd sweeps -cn tune_additions  # then the layouts, and the tuning study "
+        "(sweeps/tune_additions.yaml, docs/results/tuning.md)\n"
+        "python -m posenc.train -m -cd sweeps -cn comparison_additions  # 7 entries x 5 seeds; on 2 cores, as two "
+        "single-threaded halves side by side\n"
+        "python -m posenc.train -m -cd sweeps -cn comparison_additions +encoding=gemma3 model.depth=6\n"
+        "for run in outputs/sweeps/comparison_additions/irope-*; do "
+        "python -m posenc.evaluate $run eval.attention_scale=llama4; done\n"
+        "for run in outputs/sweeps/comparison_additions/swan-*; do "
+        "python -m posenc.evaluate $run eval.attention_scale=log_n; done\n"
+        "# ALiBi, RoPE and NoPE beside them are the comparison's own runs, read from its kept records",
+        "outputs/sweeps/comparison_additions docs/results/comparison/runs/{alibi,rope,nope}-L64-s*",
+    ),
     "comparison-2400": Study(
         "The fair comparison at four times the tokens (2,400 steps)",
         "python -m posenc.train -m -cd sweeps -cn comparison trainer.max_steps=2400 sweep_name=comparison_2400  # "
