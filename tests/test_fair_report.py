@@ -69,7 +69,9 @@ def test_kept_records_are_compressed_and_the_report_reads_them_the_same(tmp_path
     kept = sorted(p.relative_to(tmp_path / "kept").as_posix() for p in (tmp_path / "kept").rglob("*") if p.is_file())
     assert kept == [f"alibi-L32-s{s}/{f}" for s in (0, 1) for f in ("eval/results.json.gz", "run.json.gz")]
     again = find_results([tmp_path / "kept"])
-    assert [r["perplexity"] for r in again] == [r["perplexity"] for r in results]
+    loss = results[0]["perplexity"][1]["loss"]  # log(5 · 2^0.01): seventeen digits as recorded, nine as kept
+    assert again[0]["perplexity"][1]["loss"] == float(f"{loss:.9g}") != loss
+    assert [[row["tokens"] for row in r["perplexity"]] for r in again] == [[2048, 2048]] * 2
     assert again[0]["loss_by_position"] == {"64": [1.235] * 64}  # only the curve a figure draws, to 3 decimals
     assert again[0]["training"]["steps"] == 10
 
@@ -86,6 +88,25 @@ def test_kept_records_hold_a_runs_attention_statistics_once(tmp_path: Path) -> N
     keep_records(find_results([tmp_path / "runs"]), tmp_path / "kept")
     kept = {r["eval"]["mode"]: r for r in find_results([tmp_path / "kept"])}
     assert kept["nonoverlap"]["attention_stats"] == stats and "attention_stats" not in kept["sliding"]
+
+
+def test_kept_records_hold_the_first_layer_bias_of_the_run_its_table_draws_only(tmp_path: Path) -> None:
+    # A column's bias table and figure draw its lowest seed (heads of two seeds do not pair); the others keep the key,
+    # so the column's n is unchanged.
+    for seed in (1, 0, 2):
+        folder = _text_run(tmp_path / "runs", "alibi", seed, 5.0)
+        curve = {"distances": [0, 1], "query_position": 63, "source": "distance_bias", "by_head": [[0.0, -float(seed)]]}
+        plain = json.loads((folder / "eval" / "results.json").read_text()) | {"learned_bias": curve}
+        (folder / "eval" / "results.json").write_text(json.dumps(plain))
+    results = find_results([tmp_path / "runs"])
+    keep_records(results, tmp_path / "kept")
+    kept = {r["seed"]: r for r in find_results([tmp_path / "kept"])}
+    assert kept[0]["learned_bias"]["by_head"] == [[0.0, -0.0]]
+    assert kept[1]["learned_bias"] is None and kept[2]["learned_bias"] is None
+    before = build_report(results, tmp_path / "a", make_plots=False)
+    after = build_report(list(kept.values()), tmp_path / "b", make_plots=False)
+    assert "| 1 | 0.0312 | -0.000 |" in before  # the bias table draws seed 0
+    assert after.replace(f"{tmp_path}/kept/", f"{tmp_path}/runs/") == before
 
 
 def test_recall_is_compared_only_over_the_seeds_that_learned_it() -> None:

@@ -12,6 +12,7 @@ reading of the tables, the study's history) is kept when the block is rewritten.
 from __future__ import annotations
 
 import datetime
+import math
 import re
 import shutil
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from posenc.report.benchcost import BENCH_FILE, find_bench
 from posenc.report.build import build_report
 from posenc.report.collect import find_results
 from posenc.report.common import run_dir
-from posenc.report.drift import CSV_LOG
+from posenc.report.drift import CSV_LOG, drift_groups, first_seed
 from posenc.report.studies import STUDIES, Study
 from posenc.report.tuning import SELECTION_FILE, select, write_selection
 from posenc.runs import DONE_FILE, RUN_FILE
@@ -46,14 +47,17 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
     Only what the report reads, and compressed (``write_kept``): of the loss by position only the longest window's,
     which a figure draws (``_rounded``); a finished run's config once, in its results (``without_config``); a run's
     attention statistics once, from the evaluation the report reads them
-    from (``once_per_run``: every protocol measures them on the same windows); everything else as recorded. A
-    benchmark's record
+    from (``once_per_run``: every protocol measures them on the same windows); the first-layer bias by distance only
+    in the run a column's table and figure draw (``first_seed``: heads of two seeds do not pair, so the others' were
+    never read); everything else as recorded. A benchmark's record
     (``find_bench``) goes to ``records/bench-<i>/``, in the same staged copy.
     """
     staging = records.with_name(records.name + ".new")
     shutil.rmtree(staging, ignore_errors=True)
     names = _record_names(results)
     stats_read = {id(run) for run in once_per_run([run for run in results if run.get("attention_stats")])}
+    bias_groups = drift_groups(results, "learned_bias").values()
+    bias_read = {id(first_seed(runs)) for by_column in bias_groups for runs in by_column.values()}
     for run in results:
         source = Path(run_dir(run))
         target = staging / names[source]
@@ -64,6 +68,8 @@ def keep_records(results: list[dict[str, Any]], records: Path, bench: Sequence[d
             record = _rounded(read_record(results_file))
             if id(run) not in stats_read:
                 record.pop("attention_stats", None)
+            if id(run) not in bias_read and record.get("learned_bias") is not None:
+                record["learned_bias"] = None  # the key stays: the run still counts in its column's n
             write_kept(target / relative, record)
         for record in (*RECORD_FILES, "failed.json"):
             if record_path(source / record) is not None:
@@ -90,17 +96,30 @@ def without_config(record: Any) -> Any:
 
 
 def _rounded(result: dict[str, Any]) -> dict[str, Any]:
-    """A result with only the loss by position a report draws: the longest window's, to three decimals.
+    """A result with only the loss by position a figure draws (the longest window, 3 decimals), the rest to 9 digits.
 
     The figure draws the longest window's curve alone, and a thousandth of a nat is below its pixel; kept whole, the
-    curves of every length were most of a record's size.
+    curves of every length were most of a record's size. The losses come from float32 forwards, which hold about
+    seven digits: nine keep all of them, and the seventeen a float64 prints were a fifth of the rest.
     """
+    result = _significant(result)
     by_position = result.get("loss_by_position")
     if not isinstance(by_position, dict) or not by_position:
         return result
     longest = max(by_position, key=int)
     curve = [None if v is None else round(v, 3) for v in by_position[longest]]
     return {**result, "loss_by_position": {longest: curve}}
+
+
+def _significant(value: Any, digits: int = 9) -> Any:
+    """``value`` with every finite float in it rounded to ``digits`` significant digits (ints, strings as they are)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {key: _significant(item, digits) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_significant(item, digits) for item in value]
+    return value
 
 
 def _record_names(results: list[dict[str, Any]]) -> dict[Path, str]:
