@@ -49,6 +49,19 @@ def test_tables_say_their_split_budget_tuned_rates_and_untrained_parameters(tmp_
     assert "alibi† " not in table
 
 
+def test_columns_selected_under_two_wordings_of_the_rule_say_which_read_which(tmp_path: Path) -> None:
+    # A selection file rewritten between runs (a revised tie band): one rule would misstate what some columns read.
+    for seed in (0, 1):
+        _text_run(tmp_path, "alibi", seed, 5.0)
+        folder = _text_run(tmp_path, "t5", seed, 5.5)
+        result = json.loads((folder / "eval" / "results.json").read_text())
+        result["config"]["tuning"]["rule"] = "the revised rule"
+        (folder / "eval" / "results.json").write_text(json.dumps(result))
+    markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=False)
+    assert "by the rule as each run read it (alibi: the rule; t5: the revised rule)" in markdown
+    assert "by one rule" not in markdown
+
+
 def test_a_task_run_is_said_to_be_scored_on_generated_windows_not_the_split_its_config_names() -> None:
     budget = {"budget": {"tokens_per_parameter": 70.04}}
     task = {"trained_task": "mqar", "eval": {"split": "validation"}} | budget  # the split is a text default, unread

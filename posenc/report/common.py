@@ -248,8 +248,15 @@ def tuned_settings(by_label: Columns) -> str:
     chosen = "; ".join(
         f"{label}: lr {found[0]['lr']:g}, ×{found[0]['scheme_lr_multiplier']:g}" for label, found in records.items()
     )
+    rules: dict[str, list[str]] = {}
+    for label, found in records.items():
+        rules.setdefault(str(found[0].get("rule")), []).append(label)
+    if len(rules) == 1:
+        rule = f"by one rule ({first.get('rule')})"
+    else:  # the selection file was rewritten between runs: say which columns read which wording of the rule
+        rule = "by the rule as each run read it (" + "; ".join(f"{', '.join(ls)}: {r}" for r, ls in rules.items()) + ")"
     return (
-        f"Learning rates selected per scheme on the {first.get('split')} split by one rule ({first.get('rule')}), "
+        f"Learning rates selected per scheme on the {first.get('split')} split {rule}, "
         f"from {next(iter(sources))}: {chosen}."
     )
 
