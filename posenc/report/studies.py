@@ -88,10 +88,11 @@ STUDIES = {
         "python -m posenc.train -m -cd sweeps -cn comparison_additions  # 7 entries x 5 seeds; on 2 cores, as two "
         "single-threaded halves side by side\n"
         "python -m posenc.train -m -cd sweeps -cn comparison_additions +encoding=gemma3 model.depth=6\n"
-        "for run in outputs/sweeps/comparison_additions/irope-*; do "
-        "python -m posenc.evaluate $run eval.attention_scale=llama4; done\n"
-        "for run in outputs/sweeps/comparison_additions/swan-*; do "
-        "python -m posenc.evaluate $run eval.attention_scale=log_n; done\n"
+        "# iRoPE's and SWAN's inference-time scaling, on the comparison's split and sample, under both protocols:\n"
+        "for run in outputs/sweeps/comparison_additions/{irope,swan}-*; do "
+        "s=$(case $run in *irope*) echo llama4;; *) echo log_n;; esac); "
+        "for p in '' 'eval.mode=sliding eval.stride_fraction=0.5'; do python -m posenc.evaluate $run "
+        "eval.split=test eval.sample=long_documents eval.attention_scale=$s $p; done; done\n"
         "# ALiBi, RoPE and NoPE beside them are the comparison's own runs, read from its kept records",
         "outputs/sweeps/comparison_additions docs/results/comparison/runs/{alibi,rope,nope}-L64-s*",
     ),
