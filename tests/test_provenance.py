@@ -20,6 +20,7 @@ import torch
 from helpers import FAST, compose_train
 
 from posenc.report import build_report, find_results
+from posenc.report.common import by_setting
 from posenc.runs import CHECKPOINT, DONE_FILE
 from posenc.train import train
 
@@ -82,7 +83,20 @@ def test_report_leaves_unfinished_runs_out_and_flags_what_differs(runs: dict[str
     header = next(line for line in everything.splitlines() if line.startswith("| length |"))
     assert "t5‡ (n=1 · 3 steps · 192 tokens)" in header  # ... unless asked, and then with its steps
     flagged = next(line for line in everything.splitlines() if "differ in more than their scheme" in line)
-    assert "t5: trainer.max_steps=100" in flagged and "rope: trainer.max_steps=2" in flagged
+    assert "trainer.max_steps=100 in t5; trainer.max_steps=2 in the other 2" in flagged
+
+
+def test_a_difference_is_said_by_setting_naming_only_the_columns_that_differ() -> None:
+    differ = {
+        "alibi": ["eval.attention_scale=None", "model.depth=4"],
+        "gemma3": ["eval.attention_scale=None", "model.depth=6"],
+        "irope": ["eval.attention_scale=None", "model.depth=4"],
+        "irope · llama4": ["eval.attention_scale=llama4", "model.depth=4"],
+    }
+    assert by_setting(differ) == (
+        "eval.attention_scale=llama4 in irope · llama4; eval.attention_scale=None in the other 3; "
+        "model.depth=6 in gemma3; model.depth=4 in the other 3"
+    )
 
 
 def test_reevaluation_with_other_settings_writes_beside_the_first(runs: dict[str, Path], tmp_path: Path) -> None:

@@ -124,6 +124,27 @@ def differences(by_label: Columns) -> dict[str, list[str]]:
     return {label: [f"{key}={settings[label][key]}" for key in differing] for label in by_label}
 
 
+def by_setting(differ: Mapping[str, Sequence[str]]) -> str:
+    """``differences`` read by setting: each value with the columns that have it, the commonest as "the other N".
+
+    Read by column, every column would repeat the one value most of them share (``model.depth=4``) and hide the
+    one that differs (``gemma3: model.depth=6``).
+    """
+    values: dict[str, dict[str, list[str]]] = {}
+    for label, found in differ.items():
+        for item in found:
+            key, _, value = item.partition("=")
+            values.setdefault(key, {}).setdefault(value, []).append(label)
+    notes = []
+    for key, labels_of in values.items():
+        ranked = sorted(labels_of.items(), key=lambda item: -len(item[1]))
+        common, rest = (ranked[0], ranked[1:]) if len(ranked[0][1]) > 1 else (None, ranked)
+        notes += [f"{key}={value} in {', '.join(labels)}" for value, labels in rest]
+        if common is not None:
+            notes.append(f"{key}={common[0]} in the other {len(common[1])}")
+    return "; ".join(notes)
+
+
 class Appendix:
     """The run directories in each column of each table, listed at the end of the report."""
 
@@ -173,8 +194,7 @@ def table_head(
         out = [tuned, "", *out]
     schemes = {label.split(" · ")[0] for label in labels}  # within one scheme, the labels name the difference
     if len(schemes) > 1 and any(differ.values()):
-        notes = "; ".join(f"{label}: {', '.join(differ[label])}" for label in labels)
-        out = [f"**These columns differ in more than their scheme** — {notes}.", "", *out]
+        out = [f"**These columns differ in more than their scheme** — {by_setting(differ)}.", "", *out]
     if any(gaps.values()):
         notes = "; ".join(f"{label}: {gaps[label]}" for label in labels if gaps[label])
         out = [

@@ -63,6 +63,7 @@ RESULT_FIELDS = {
     "length_settings",
     "coverage",
     "budget",
+    "attention_scale",  # the evaluation's inference-time scaling, a setting already as eval.attention_scale
 }
 SEPARATOR = " · "
 UNSET = "(unset)"
