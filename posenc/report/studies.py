@@ -71,6 +71,14 @@ STUDIES = {
         "outputs/sweeps/tune",
         tuning=True,
     ),
+    "tuning-2400": Study(
+        "The tuning's tied points at 2,400 steps: does the choice the 2,400-step comparison reuses still hold?",
+        "python -m posenc.train -m -cd sweeps -cn tune_ties trainer.max_steps=2400 sweep_name=tune_ties_2400 "
+        "seed=10,11,12 +encoding=<scheme> optim.lr=<lr> optim.scheme_lr_multiplier=<m>  # each point tied at 600 "
+        "steps (docs/results/tuning.md): KERPLE-log 4e-3 and 8e-3 at ×10, stick-breaking 4e-3 at ×1 and ×10",
+        "outputs/sweeps/tune_ties_2400",
+        tuning=True,
+    ),
     "comparison": Study(
         "A comparison fair by construction: settings scaled to the length, one tuning, the test split",
         "python -m posenc.train -m -cd sweeps -cn tune  # then +encoding=alibi,rope,nope "
@@ -95,6 +103,8 @@ STUDIES = {
         "eval.split=test eval.sample=long_documents eval.attention_scale=$s $p; done; done\n"
         "# ALiBi, RoPE and NoPE beside them are the comparison's own runs, read from its kept records",
         "outputs/sweeps/comparison_additions docs/results/comparison/runs/{alibi,rope,nope}-L64-s*",
+        # each inference-time scaling against the same runs without it, beside the two default references
+        references=(*DEFAULT_REFERENCES, "* · llama4", "* · log_n"),
     ),
     "comparison-2400": Study(
         "The fair comparison at four times the tokens (2,400 steps)",
