@@ -357,6 +357,9 @@ def test_recall_is_tuned_over_one_grid_on_its_own_seed_then_run_at_five(tmp_path
     assert without == {f"{scheme}-mqar-lr{lr}-x1-L64-s10" for scheme in ("alibi", "rope", "nope") for lr in rates}
     schemes = ("alibi", "rope", "nope", "t5", "kerple_log", "fire")
     assert jobs("retrieval_offset_tuned") == {f"{scheme}-mqar-L64-s{seed}" for scheme in schemes for seed in range(5)}
+    # The layouts' arm: the same grid at depth 4 for the entries with positional parameters.
+    grid = itertools.product(("fope", "cable", "grape_a", "grape_m"), rates, ("1", "10", "100"))
+    assert jobs("retrieval_offset_tune_layouts") == {f"{scheme}-mqar-lr{lr}-x{m}-L64-s10" for scheme, lr, m in grid}
 
 
 def test_the_controlled_sweeps_ask_for_documents_as_long_as_the_windows_and_a_random_block() -> None:

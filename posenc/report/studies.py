@@ -169,6 +169,24 @@ STUDIES = {
         "#   OMP_NUM_THREADS=1 ... +encoding=alibi,rope,nope,t5 & OMP_NUM_THREADS=1 ... +encoding=kerple_log,fire",
         "outputs/sweeps/mqar_offset_tuned",
     ),
+    "recall-tuning-layouts": Study(
+        "The recall tuning at depth 4 for the deployed layouts and the 2025–26 schemes, ALiBi, RoPE and NoPE beside",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune_layouts  # the schemes with parameters\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune_layouts "
+        "+encoding=alibi,rope,nope,irope,rnope_swa,swan optim.scheme_lr_multiplier=1\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune_layouts +encoding=gemma3 "
+        "optim.scheme_lr_multiplier=1 model.depth=6",
+        "outputs/sweeps/mqar_offset_tune_layouts",
+        tuning=True,
+    ),
+    "recall-layouts": Study(
+        "Deployed layouts and the 2025–26 schemes on recall at a random offset (depth 4, tuned on validation)",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune_layouts  # and its two other lines, then the "
+        "recall-tuning-layouts study (docs/results/recall-tuning-layouts.md)\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_layouts  # 10 entries x 5 seeds\n"
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_layouts +encoding=gemma3 model.depth=6",
+        "outputs/sweeps/mqar_offset_layouts",
+    ),
     "ruler-tasks": Study(
         "Two RULER tasks, multikey and variable tracking (one seed)",
         "python -m posenc.train -m +encoding=rope data=multikey,vartrack trainer.max_steps=2000 model.init=pytorch "
