@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -101,15 +102,17 @@ def test_every_results_document_is_written_by_the_report(
     assert not any(line.startswith("|") for line in after.splitlines()), "a table typed by hand after the block"
     name = document.stem
     # The records its last regenerating command reads: its own beside it, or other studies' kept records.
-    command = [line for line in header.splitlines() if line.startswith("python -m posenc.report ")][-1].split()
-    sources = command[3 : command.index("--study")]
+    command = [line for line in header.splitlines() if line.startswith("python -m posenc.report ")][-1]
+    sources = _shell_words(command.split(" --study ")[0].removeprefix("python -m posenc.report "))
     for source in sources:
-        assert (ROOT / source).is_dir() and source.endswith("/runs"), f"{document.name}: {source} is not kept"
+        folder = Path(source) if source.endswith("/runs") else Path(source).parent
+        assert (ROOT / source).is_dir() and folder.name == "runs", f"{document.name}: {source} is not kept"
     # Written again from those records, in a copy of the repository's layout, the block comes out the same.
     monkeypatch.chdir(tmp_path)
     for source in sources:
+        folder = Path(source) if source.endswith("/runs") else Path(source).parent
         shutil.copytree(ROOT / source, source)
-        shutil.copyfile(ROOT / Path(source).parent.with_suffix(".md"), Path(source).parent.with_suffix(".md"))
+        shutil.copyfile(ROOT / folder.parent.with_suffix(".md"), folder.parent.with_suffix(".md"))
     shutil.copyfile(document, Path("docs/results") / document.name)
     again = write_study(name, sources, Path("docs/results") / document.name)
     assert generated_block(again) == generated_block(text)
@@ -129,6 +132,35 @@ def test_a_study_of_other_studies_reads_their_kept_records_and_keeps_none_of_its
     assert not Path("docs/results/comparison-budgets").exists()  # nothing copied, no empty folder left
     assert f"python -m posenc.report {' '.join(sources)} --study comparison-budgets --out {out}" in first
     assert "keeps no records of its own" in first
+
+
+def _shell_words(words: str) -> list[str]:
+    """``words`` as bash expands them (braces, globs) in the repository's root."""
+    done = subprocess.run(["bash", "-c", f"printf '%s\\n' {words}"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.split()
+
+
+def test_a_study_keeps_its_own_runs_and_reads_another_studys_baselines_where_they_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_study("comparison", [str(_sweep(Path("outputs/comparison")))], Path("docs/results/comparison.md"))
+    fresh = Path("outputs/sensitivity")
+    for seed in range(2):
+        _run(fresh, "rope", seed, (10.0 + seed, 12.0 + seed), 950.0)
+    baselines = [f"docs/results/comparison/runs/alibi-L32-s{seed}" for seed in range(2)]
+    out = Path("docs/results/sensitivity.md")
+    first = write_study("sensitivity", [str(fresh), *baselines], out, make_plots=False)
+    kept = sorted(p.name for p in Path("docs/results/sensitivity/runs").iterdir())
+    assert kept == ["rope-L32-s0", "rope-L32-s1"]  # the baselines stay where the comparison keeps them
+    command = (
+        "python -m posenc.report docs/results/sensitivity/runs "
+        f"docs/results/comparison/runs/{{alibi-L32-s0,alibi-L32-s1}} --study sensitivity --out {out}"
+    )
+    assert command in first and "alibi (n=2" in first and "rope (n=2" in first
+    shutil.rmtree("outputs")
+    again = write_study("sensitivity", ["docs/results/sensitivity/runs", *baselines], out, make_plots=False)
+    assert generated_block(again) == generated_block(first) and command in again
 
 
 def test_runs_of_one_name_from_two_sweeps_keep_records_of_their_own(tmp_path: Path) -> None:

@@ -145,20 +145,43 @@ def _older_curve(run: dict[str, Any]) -> tuple[str, ...]:
 
 
 def kept_elsewhere(path: Path) -> bool:
-    """Whether ``path`` is another study's kept records (``docs/results/<study>/runs`` beside ``<study>.md``).
+    """Whether ``path`` is a study's kept records (``docs/results/<study>/runs`` beside ``<study>.md``), or a run there.
 
-    A study that compares other studies (two budgets of one comparison) reads their records where they are kept:
-    copying them beside it would double the results folder for nothing a regeneration needs.
+    A study that compares other studies (two budgets of one comparison), or reads a few of another study's runs as
+    its baselines, reads those records where they are kept: copying them beside it would keep them twice for nothing
+    a regeneration needs.
     """
-    return path.name == "runs" and path.parent.with_suffix(".md").is_file()
+    folder = path if path.name == "runs" else path.parent
+    return folder.name == "runs" and folder.parent.with_suffix(".md").is_file()
+
+
+def braced(paths: Sequence[str]) -> list[str]:
+    """``paths`` as a shell writes them: the runs of one folder as ``folder/{a,b}``, each folder once, in order."""
+    by_folder: dict[str, list[str]] = {}
+    for path in paths:
+        folder, _, name = path.rpartition("/")
+        by_folder.setdefault(folder, []).append(name)
+    out = []
+    for folder, names in by_folder.items():
+        if names == ["runs"] or len(names) == 1:
+            out += [f"{folder}/{name}" for name in names]
+        else:
+            out.append(f"{folder}/{{{','.join(names)}}}")
+    return out
 
 
 def header(
-    name: str, study: Study, results: list[dict[str, Any]], out: Path, read_from: Sequence[str] | None = None
+    name: str,
+    study: Study,
+    results: list[dict[str, Any]],
+    out: Path,
+    read_from: Sequence[str] | None = None,
+    also: Sequence[str] = (),
 ) -> list[str]:
     """The document's opening: the commands that regenerate it, and what its runs record of themselves.
 
-    ``read_from``: the other studies' kept records it was written from, when it keeps none of its own.
+    ``read_from``: the other studies' kept records it was written from, when it keeps none of its own; ``also``:
+    those it reads beside its own records.
     """
     runs = [run for run in results if not run.get("failed")]
     seeds: dict[str, set] = {}
@@ -193,7 +216,8 @@ def header(
             "```bash",
             study.runs_command,
             f"python -m posenc.report {study.inputs} --study {name} --out {out.as_posix()}",
-            f"python -m posenc.report {records_dir.as_posix()} --study {name} --out {out.as_posix()}",
+            f"python -m posenc.report {' '.join([records_dir.as_posix(), *braced(also)])} --study {name} "
+            f"--out {out.as_posix()}",
         ]
     return [
         f"# {study.title}",
@@ -259,12 +283,18 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
     if not results:
         raise SystemExit(f"no results.json under {', '.join(paths)}: nothing to write {out} from")
     bench = find_bench(paths)
-    own = all(Path(p).resolve() == records.resolve() for p in paths)  # rewritten from its own records
-    elsewhere = all(kept_elsewhere(Path(p)) and Path(p).resolve() != records.resolve() for p in paths)
-    read_from = [Path(p).as_posix() for p in paths] if elsewhere else None
-    if not own and not elsewhere:
-        keep_records(results, records, bench)
-        results, bench = find_results([records]), find_bench([records])
+    mine = records.resolve()
+    elsewhere = [
+        Path(p).as_posix()
+        for p in paths
+        if kept_elsewhere(Path(p)) and mine not in (Path(p).resolve(), *Path(p).resolve().parents)
+    ]
+    fresh = [p for p in paths if Path(p).as_posix() not in elsewhere]
+    read_from = [Path(p).as_posix() for p in paths] if not fresh else None
+    if fresh:  # its own runs kept beside it (once more when rewritten from them); others' read where they are kept
+        if not all(Path(p).resolve() == mine for p in fresh):
+            keep_records(find_results(fresh), records, find_bench(fresh))
+        results, bench = find_results([records, *elsewhere]), find_bench([records, *elsewhere])
     study = STUDIES[name]
     markdown = build_report(
         results,
@@ -286,7 +316,7 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
     if out.exists():
         text = out.read_text()
         kept = text.split(END, 1)[1].lstrip("\n") if END in text else ""
-    opening = header(name, STUDIES[name], results, out, read_from)
+    opening = header(name, STUDIES[name], results, out, read_from, also=elsewhere if fresh else ())
     document = "\n".join([*opening, BEGIN, *generated(markdown, name), END, ""])
     document += ("\n" + kept) if kept else ""
     write_text(out, document)
