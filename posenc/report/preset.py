@@ -114,7 +114,7 @@ def preset_section(results: list[dict[str, Any]], references: Sequence[str] = DE
 
     def compare(title: str, train_len: int, by_label: Columns, rows: str, test: Callable, kind: str) -> None:
         """Every column against each reference at every length of ``rows`` (``perplexity`` or ``mqar``)."""
-        unsettled.update({label: note for label, runs in by_label.items() if (note := unsettled_seeds(runs))})
+        unsettled.update({label: note for label in order(by_label) if (note := unsettled_seeds(by_label[label]))})
         runs_of.setdefault(kind, []).extend(run for runs in by_label.values() for run in runs)
         lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run[rows]})
         for column, reference in pairs(by_label, references):
