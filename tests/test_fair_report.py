@@ -7,6 +7,10 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+import pytest
+
+from posenc.evaluate.bins import binned, edges
 from posenc.report import build_report, find_results
 from posenc.report.common import scored_on
 from posenc.report.preset import learned_seeds, recall_test
@@ -85,8 +89,20 @@ def test_kept_records_are_compressed_and_the_report_reads_them_the_same(tmp_path
     loss = results[0]["perplexity"][1]["loss"]  # log(5 · 2^0.01): seventeen digits as recorded, nine as kept
     assert again[0]["perplexity"][1]["loss"] == float(f"{loss:.9g}") != loss
     assert [[row["tokens"] for row in r["perplexity"]] for r in again] == [[2048, 2048]] * 2
-    assert again[0]["loss_by_position"] == {"64": [1.235] * 64}  # only the curve a figure draws, to 3 decimals
+    # Only the curve a figure draws: the longest window's log-spaced bins, to 3 decimals.
+    assert again[0]["loss_by_position"] == {"64": [1.235] * (len(edges(64)) - 1)}
     assert again[0]["training"]["steps"] == 10
+
+
+def test_a_curve_kept_binned_draws_as_the_curve_binned_when_drawn() -> None:
+    rng = np.random.default_rng(0)
+    curves = [rng.normal(2.0, 0.3, 2048) for _ in range(3)]
+    drawn = binned(np.mean(curves, axis=0), 2048)  # the figure from whole curves: their mean, binned
+    kept = [binned(list(binned(c, 2048)[1]), 2048) for c in curves]  # each run's bins as kept, read back
+    np.testing.assert_allclose(drawn[0], kept[0][0])
+    np.testing.assert_allclose(drawn[1], np.mean([means for _, means in kept], axis=0))
+    with pytest.raises(ValueError, match="fits neither 2048 positions nor their bins"):
+        binned([1.0] * 100, 2048)
 
 
 def test_kept_records_hold_a_runs_attention_statistics_once(tmp_path: Path) -> None:

@@ -16,9 +16,10 @@ import numpy as np
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RESULTS_FILE
 from posenc.evaluate.attention_stats import attention_plots
+from posenc.evaluate.bins import smooth
 from posenc.evaluate.effective import DEFAULT_ACC_FRACTION, DEFAULT_PPL_RATIO
 from posenc.evaluate.mqar import console_lines as mqar_lines
-from posenc.evaluate.plots import plot_heatmap, plot_lines, smooth
+from posenc.evaluate.plots import plot_heatmap, plot_lines
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
 from posenc.jsonio import DiskFullError, staging_folder, write_json, write_text
 from posenc.runs import provenance

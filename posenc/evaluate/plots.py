@@ -44,15 +44,6 @@ def palette_png(image: io.BytesIO) -> io.BytesIO:
     return out
 
 
-def smooth(values: Sequence[float], bins: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """Mean of ``values`` in log-spaced position bins, so both the first tokens and far positions stay readable."""
-    array = np.asarray(values, dtype=float)
-    edges = np.unique(np.geomspace(1, len(array), num=min(bins, len(array)) + 1).astype(int))
-    centres = [(lo + hi - 1) / 2 for lo, hi in itertools.pairwise(edges)]
-    means = [array[lo - 1 : hi - 1].mean() for lo, hi in itertools.pairwise(edges)]
-    return np.asarray(centres), np.asarray(means)
-
-
 def plot_lines(
     series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float] | None]],
     path: Path,

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate import sortable, wandb_namespace
-from posenc.evaluate.plots import smooth
+from posenc.evaluate.bins import smooth
 
 TASK_TABLES = (
     "passkey",

@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from posenc.data.retrieval import RETRIEVAL_TASKS
 from posenc.evaluate import ACCURACY_LIMITS, LOSS_MIN_SPAN, PPL_MIN_SPAN, RATIO_MIN_SPAN
+from posenc.evaluate.bins import binned
 from posenc.evaluate.outputs import keyless_reference
 from posenc.evaluate.stats import bootstrap_mean
 from posenc.evaluate.tasks import CHANCE_PER_BYTE
@@ -26,7 +29,7 @@ from posenc.report.tasks import TASKS, task_accuracies, task_columns
 
 def perplexity_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
     """Per group: perplexity vs length, ratio vs length, loss by position (one line per scheme)."""
-    from posenc.evaluate.plots import plot_lines, smooth  # matplotlib only when plotting
+    from posenc.evaluate.plots import plot_lines  # matplotlib only when plotting
 
     images = []
     for key, by_label in sorted(groups.items(), key=lambda item: str(item[0])):
@@ -59,12 +62,10 @@ def perplexity_plots(groups: dict[Key, Columns], out_dir: Path) -> list[Path]:
         for label in order(by_label):
             per_run = [run.get("loss_by_position") or {} for run in by_label[label]]
             common = set.intersection(*(set(c) for c in per_run)) if per_run else set()
-            if common:
+            if common:  # the bins' means averaged over runs: a mean of the curves, binned (bins are linear)
                 longest = max(common, key=int)
-                length = int(longest)
-                mean_curve = [statistics.fmean(c[longest][i] for c in per_run) for i in range(length)]
-                x, y = smooth(mean_curve)
-                curves[label] = (x, y, None)
+                each = [binned(c[longest], int(longest)) for c in per_run]
+                curves[label] = (each[0][0], np.mean([means for _, means in each], axis=0), None)
         if curves:
             images.append(
                 plot_lines(

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from posenc.evaluate.bins import binned
 from posenc.jsonio import KEPT, read_record, record_path, write_kept, write_text
 from posenc.report.attention import once_per_run
 from posenc.report.benchcost import BENCH_FILE, find_bench
@@ -96,19 +97,20 @@ def without_config(record: Any) -> Any:
 
 
 def _rounded(result: dict[str, Any]) -> dict[str, Any]:
-    """A result with only the loss by position a figure draws (the longest window, 3 decimals), the rest to 9 digits.
+    """A result with only the loss by position a figure draws (the longest window, binned, 3 decimals); 9 digits else.
 
-    The figure draws the longest window's curve alone, and a thousandth of a nat is below its pixel; kept whole, the
-    curves of every length were most of a record's size. The losses come from float32 forwards, which hold about
-    seven digits: nine keep all of them, and the seventeen a float64 prints were a fifth of the rest.
+    The figure draws the longest window's curve alone, as the means of its log-spaced bins (``posenc.evaluate.bins``),
+    and a thousandth of a nat is below its pixel; kept whole, one curve of 2,048 positions was half a record. The
+    losses come from float32 forwards, which hold about seven digits: nine keep all of them, and the seventeen a
+    float64 prints were a fifth of the rest.
     """
     result = _significant(result)
     by_position = result.get("loss_by_position")
     if not isinstance(by_position, dict) or not by_position:
         return result
     longest = max(by_position, key=int)
-    curve = [None if v is None else round(v, 3) for v in by_position[longest]]
-    return {**result, "loss_by_position": {longest: curve}}
+    _, means = binned(by_position[longest], int(longest))
+    return {**result, "loss_by_position": {longest: [round(float(v), 3) for v in means]}}
 
 
 def _significant(value: Any, digits: int = 9) -> Any:
