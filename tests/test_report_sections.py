@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from posenc.report import build_report, find_results
+from posenc.report import build_report, find_results, protocols
 
 TOKENS = [1000, 3000, 500, 5500]  # four documents scored
 
@@ -68,6 +68,28 @@ def test_protocols_side_by_side_and_the_documents_share_of_each_difference(tmp_p
     assert kerple.endswith("◆") and alibi.endswith("✓") and t5.endswith("?")
     low, high = (float(x) for x in t5.split("[")[1].split("]")[0].split(", "))
     assert low < 10.5 < high and high - low > 0.5
+
+
+def test_a_ratio_shown_in_two_tables_earns_the_ratio_tables_word_in_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The protocols side by side repeat each protocol's longest ratio: their word is the ratio table's, from one Holm
+    # family (every length of that protocol), not a second family of their own that could word the number otherwise.
+    for seed in range(3):
+        _text_run(tmp_path, "alibi", seed, None, (11.0, 11.0), [1, 1, 1, 1])
+        _text_run(tmp_path, "alibi", seed, 0.5, (10.5, 12.0), [1, 1, 1, 1])
+    real = protocols.ratio_words
+
+    def marked(key, by_label):  # the ratio tables' words, with a mark no other family could give
+        estimates, words = real(key, by_label)
+        return estimates, {name: ("inconclusive",) for name in words}
+
+    monkeypatch.setattr(protocols, "ratio_words", marked)
+    markdown = build_report(find_results([tmp_path]), tmp_path / "out", make_plots=False)
+    table = markdown.split("## Protocols side by side")[1]
+    row = next(line for line in table.splitlines() if line.startswith("| alibi |"))
+    assert row.count(" ?") == 2 and "✓" not in row and "=" not in row
+    assert "Holm-adjusted over its protocol's whole table of ratios (every length)" in table
 
 
 def _mqar_run(

@@ -177,10 +177,10 @@ def detectable_percent(estimates: Sequence[Estimate | None]) -> str:
     return f"{low:.1f}%" if abs(high - low) < 0.05 else f"{low:.1f}–{high:.1f}%"
 
 
-def flat_legend(log_margin: float) -> str:
-    """What a ratio's marks say, under a table of ratios tested against 1."""
+def flat_legend(log_margin: float, over: str = "the table") -> str:
+    """What a ratio's marks say, under a table of ratios tested against 1 (Holm-adjusted ``over`` that family)."""
     return (
-        f"Ratio marks, each ratio tested against 1 and Holm-adjusted over the table: {MARKS[SEPARATED]} separated from "
+        f"Ratio marks, each ratio tested against 1 and Holm-adjusted over {over}: {MARKS[SEPARATED]} separated from "
         f"1, {MARKS[EQUIVALENT]} flat (equivalent to 1 within ±{math.expm1(log_margin):.0%}), {MARKS[INCONCLUSIVE]} "
         f"inconclusive; {SEEDS_ONLY_MARK}: over seeds only."
     )

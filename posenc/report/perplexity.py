@@ -96,13 +96,7 @@ def perplexity_tables(key: Key, by_label: Columns, appendix: Appendix | None = N
         "",
         *head,
     ]
-    ratio_estimates = {
-        (label, length): claims.log_ratio(by_label[label], length, train_len)
-        for length in lengths
-        if length != train_len
-        for label in labels
-    }
-    flat = claims.words({f"{label}@{length}": e for (label, length), e in ratio_estimates.items()}, log_margin)
+    ratio_estimates, flat = ratio_words(key, by_label)
     ratio_rows, detectable = [], []
     for length in lengths:
         cells = _perplexity_cells(by_label, labels, length, log_margin, detectable)
@@ -120,6 +114,24 @@ def perplexity_tables(key: Key, by_label: Columns, appendix: Appendix | None = N
     ]
     out += [*head, *ratio_rows]
     return "\n".join(out)
+
+
+def ratio_words(key: Key, by_label: Columns) -> tuple[dict[tuple[str, int], Any], dict[str, Any]]:
+    """Each column's ratio to its in-length perplexity at every length, and its words against 1 (``label@length``).
+
+    One Holm family a table: every other table that shows one of these ratios (the protocols side by side) takes its
+    word from here, so a number never earns two words in one report.
+    """
+    train_len = key[0]
+    lengths = sorted({row["length"] for runs in by_label.values() for run in runs for row in run["perplexity"]})
+    estimates = {
+        (label, length): claims.log_ratio(by_label[label], length, train_len)
+        for length in lengths
+        if length != train_len
+        for label in order(by_label)
+    }
+    log_margin = math.log1p(claims.margin([run for runs in by_label.values() for run in runs])[0])
+    return estimates, claims.words({f"{label}@{length}": e for (label, length), e in estimates.items()}, log_margin)
 
 
 def _ratio_cell(estimates: dict[Any, Any], flat: dict[str, Any], label: str, length: int, train_len: int) -> str:

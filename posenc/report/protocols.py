@@ -17,7 +17,7 @@ from typing import Any
 
 from posenc.report import claims
 from posenc.report.common import Appendix, order
-from posenc.report.perplexity import group_order, group_runs, protocol
+from posenc.report.perplexity import group_order, group_runs, protocol, ratio_words
 
 
 def protocol_tables(results: list[dict[str, Any]], appendix: Appendix | None = None) -> str:
@@ -54,21 +54,22 @@ def protocol_tables(results: list[dict[str, Any]], appendix: Appendix | None = N
         ]
         runs = [run for key in keys for found in groups[key].values() for run in found]
         log_margin = math.log1p(claims.margin(runs)[0])
-        ratios = {
-            (label, key): claims.log_ratio(groups[key].get(label, []), longest, train_len)
-            for label in labels
-            for key in keys
-        }
-        flat = claims.words({repr(name): estimate for name, estimate in ratios.items()}, log_margin)
+        tested = {key: ratio_words((train_len, *key), groups[key]) for key in keys}  # the ratio tables' own words
         for label in labels:
             cells = []
             for key in keys:
                 mine = groups[key].get(label, [])
                 cells += [claims.shown(claims.log_perplexity(mine, train_len)),
                           claims.shown(claims.log_perplexity(mine, longest))]  # fmt: skip
-                ratio = ratios[label, key]
-                cells.append(f"{claims.shown(ratio, 3)} {claims.mark(flat.get(repr((label, key))))}".rstrip())
+                estimates, flat = tested[key]
+                ratio, found = estimates.get((label, longest)), flat.get(f"{label}@{longest}")
+                cells.append(f"{claims.shown(ratio, 3)} {claims.mark(found)}".rstrip())
             out.append(f"| {label} | " + " | ".join(cells) + " |")
-        out += ["", claims.flat_legend(log_margin)]
+        out += [
+            "",
+            claims.flat_legend(
+                log_margin, "its protocol's whole table of ratios (every length), as that table marks it"
+            ),
+        ]
         out.append("")
     return "\n".join(out).rstrip()
