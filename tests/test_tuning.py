@@ -52,8 +52,10 @@ def test_the_lowest_in_length_validation_loss_wins_and_ties_go_to_the_smaller_se
     # Every tied point short of three seeds is listed as the run that would resolve it.
     assert "+encoding=t5 optim.lr=0.002 optim.scheme_lr_multiplier=10  # 1 seed(s)" in text
     assert "+encoding=alibi optim.lr=0.002 optim.scheme_lr_multiplier=1  # 2 seed(s)" in text
-    # Each tied point's longest ratio, where its runs were evaluated there (here every run has 2×: ratio 1.1).
-    assert "| alibi | 0.002 ×1 ◆ | 2× | 1.100 | 2 |" in text
+    # Each point's longest ratio, where its runs were evaluated there (here every run has 2×: ratio 1.1), tied or not.
+    assert "| alibi | 0.002 ×1 ◆ | tied | 2× | 1.100 | 2 |" in text
+    assert "| t5 | 0.004 ×100 | — | 2× | 1.100 | 1 |" in text
+    assert "| alibi | 0.004 ×1 | tied | 2× | 1.100 | 1 |" in text  # its test-split run is never read here
 
 
 def test_without_a_replicated_point_the_spread_is_the_comparisons_and_said_so() -> None:

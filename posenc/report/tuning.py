@@ -212,7 +212,7 @@ def _longest_ratios(results: Sequence[dict[str, Any]]) -> dict[tuple[str, float,
     found: dict[tuple[str, float, float], tuple[int, list[float]]] = {}
     for run in results:
         rows = [r for r in run.get("perplexity") or [] if not r.get("error") and r.get("ratio") is not None]
-        if len(rows) < 2 or run.get("failed"):
+        if len(rows) < 2 or run.get("failed") or in_length_loss(run) is None:  # the validation split's runs only
             continue
         longest = max(rows, key=lambda r: r["multiple"])
         key = (_label(run), *_setting(run))
@@ -223,34 +223,38 @@ def _longest_ratios(results: Sequence[dict[str, Any]]) -> dict[tuple[str, float,
 
 
 def _tied_points(results: Sequence[dict[str, Any]], selection: dict[str, dict[str, Any]]) -> list[str]:
-    """Each tied point's longest-length ratio where it was evaluated there, and the runs a choice still needs."""
+    """Each point's longest-length ratio where it was evaluated there, tied or not, and the runs a choice still needs.
+
+    Every point evaluated past the training length is shown, not only those tied now: a tie resolved by more seeds (or
+    by a longer budget) still says whether the point it lost to would have extrapolated otherwise.
+    """
     ratios = _longest_ratios(results)
     lines, missing = [], []
     for label, chosen in selection.items():
-        if len(chosen["tied"]) < 2:
-            continue
-        for tied in chosen["tied"]:
-            setting = (tied["lr"], tied["scheme_lr_multiplier"])
-            if tied["seeds"] < TIED_SEEDS:
+        tied = {(t["lr"], t["scheme_lr_multiplier"]): t["seeds"] for t in chosen["tied"]}
+        for setting, seeds in tied.items():
+            if len(tied) > 1 and seeds < TIED_SEEDS:
                 missing.append(
                     f"+encoding={label} optim.lr={setting[0]:g} optim.scheme_lr_multiplier={setting[1]:g}"
-                    f"  # {tied['seeds']} seed(s)"
+                    f"  # {seeds} seed(s)"
                 )
-            multiple, found = ratios.get((label, *setting), (None, []))
-            if found:
-                mean = statistics.fmean(found)
-                mark = " ◆" if setting == (chosen["lr"], chosen["scheme_lr_multiplier"]) else ""
-                lines.append(f"| {label} | {setting[0]:g} ×{setting[1]:g}{mark} | {multiple:g}× | {mean:.3f} "
-                             f"| {len(found)} |")  # fmt: skip
+        for (scheme, *setting), (multiple, found) in sorted(ratios.items()):
+            if scheme != label:
+                continue
+            mark = " ◆" if tuple(setting) == (chosen["lr"], chosen["scheme_lr_multiplier"]) else ""
+            word = "tied" if len(tied) > 1 and tuple(setting) in tied else "—"
+            lines.append(f"| {label} | {setting[0]:g} ×{setting[1]:g}{mark} | {word} | {multiple:g}× "
+                         f"| {statistics.fmean(found):.3f} | {len(found)} |")  # fmt: skip
     out = []
     if lines:
         out += [
             "",
-            "Each tied point's longest-length ratio on the validation split (nonoverlapping; mean over the seeds that "
-            "were evaluated there): whether the choice among tied points decides how the scheme extrapolates.",
+            "Each point's longest-length ratio on the validation split, wherever its runs were evaluated past the "
+            "training length (nonoverlapping; mean over those seeds), tied or not: whether the choice decides how the "
+            "scheme extrapolates.",
             "",
-            "| scheme | tied point | at | ratio to 1× | seeds |",
-            "|---|---|---:|---:|---:|",
+            "| scheme | point | tied now | at | ratio to 1× | seeds |",
+            "|---|---|---|---:|---:|---:|",
             *lines,
         ]
     if missing:
