@@ -88,10 +88,10 @@ def test_report_leaves_unfinished_runs_out_and_flags_what_differs(runs: dict[str
 
 def test_a_difference_is_said_by_setting_naming_only_the_columns_that_differ() -> None:
     differ = {
-        "alibi": ["eval.attention_scale=None", "model.depth=4"],
-        "gemma3": ["eval.attention_scale=None", "model.depth=6"],
-        "irope": ["eval.attention_scale=None", "model.depth=4"],
-        "irope · llama4": ["eval.attention_scale=llama4", "model.depth=4"],
+        "alibi": {"eval.attention_scale": None, "model.depth": 4},
+        "gemma3": {"eval.attention_scale": None, "model.depth": 6},
+        "irope": {"eval.attention_scale": None, "model.depth": 4},
+        "irope · llama4": {"eval.attention_scale": "llama4", "model.depth": 4},
     }
     assert by_setting(differ) == (
         "eval.attention_scale=llama4 in irope · llama4; eval.attention_scale=None in the other 3; "

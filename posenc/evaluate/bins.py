@@ -21,13 +21,17 @@ def edges(length: int, bins: int = BINS) -> list[int]:
     return [int(e) for e in np.unique(np.geomspace(1, length, num=min(bins, length) + 1).astype(int))]
 
 
+def centres(bounds: Sequence[int]) -> np.ndarray:
+    """The middle position of each bin between consecutive ``bounds`` (from ``edges``)."""
+    return np.asarray([(lo + hi - 1) / 2 for lo, hi in itertools.pairwise(bounds)])
+
+
 def smooth(values: Sequence[float], bins: int = BINS) -> tuple[np.ndarray, np.ndarray]:
     """Mean of ``values`` in log-spaced position bins, so both the first tokens and far positions stay readable."""
     array = np.asarray(values, dtype=float)
     bounds = edges(len(array), bins)
-    centres = [(lo + hi - 1) / 2 for lo, hi in itertools.pairwise(bounds)]
     means = [array[lo - 1 : hi - 1].mean() for lo, hi in itertools.pairwise(bounds)]
-    return np.asarray(centres), np.asarray(means)
+    return centres(bounds), np.asarray(means)
 
 
 def binned(curve: Sequence[float], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -39,4 +43,4 @@ def binned(curve: Sequence[float], length: int) -> tuple[np.ndarray, np.ndarray]
         raise ValueError(
             f"a loss-by-position curve of {len(curve)} values fits neither {length} positions nor their bins"
         )
-    return np.asarray([(lo + hi - 1) / 2 for lo, hi in itertools.pairwise(bounds)]), np.asarray(curve, dtype=float)
+    return centres(bounds), np.asarray(curve, dtype=float)

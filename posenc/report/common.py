@@ -109,8 +109,8 @@ def trained(runs: Sequence[dict[str, Any]]) -> str:
 _NAMED = ("encoding.", "run.label", "training.")
 
 
-def differences(by_label: Columns) -> dict[str, list[str]]:
-    """{column: ``key=value`` for every identity setting in which the columns differ}, beyond the scheme itself.
+def differences(by_label: Columns) -> dict[str, dict[str, Any]]:
+    """{column: {key: value} for every identity setting in which the columns differ}, beyond the scheme itself.
 
     Within one scheme the labels already name the difference (``alibi · max_steps=40``); across schemes only
     this says that ``t5`` was trained for 100 steps and ``rope`` for 30.
@@ -121,10 +121,10 @@ def differences(by_label: Columns) -> dict[str, list[str]]:
     differing = [key for key in keys if len({repr(one[key]) for one in settings.values()}) > 1]
     if {"data.corpus", "data.task"} & set(differing):  # the corpus says it; its fingerprint adds nothing
         differing = [key for key in differing if key != "data.fingerprint"]
-    return {label: [f"{key}={settings[label][key]}" for key in differing] for label in by_label}
+    return {label: {key: settings[label][key] for key in differing} for label in by_label}
 
 
-def by_setting(differ: Mapping[str, Sequence[str]]) -> str:
+def by_setting(differ: Mapping[str, Mapping[str, Any]]) -> str:
     """``differences`` read by setting: each value with the columns that have it, the commonest as "the other N".
 
     Read by column, every column would repeat the one value most of them share (``model.depth=4``) and hide the
@@ -132,9 +132,8 @@ def by_setting(differ: Mapping[str, Sequence[str]]) -> str:
     """
     values: dict[str, dict[str, list[str]]] = {}
     for label, found in differ.items():
-        for item in found:
-            key, _, value = item.partition("=")
-            values.setdefault(key, {}).setdefault(value, []).append(label)
+        for key, value in found.items():
+            values.setdefault(key, {}).setdefault(str(value), []).append(label)
     notes = []
     for key, labels_of in values.items():
         ranked = sorted(labels_of.items(), key=lambda item: -len(item[1]))
@@ -190,7 +189,7 @@ def table_head(
     differ = differences({label: by_label[label] for label in labels})
     tuned = tuned_settings({label: by_label[label] for label in labels})
     if tuned:  # learning rates each scheme was given by one tuning: said as such, not as a difference
-        differ = {label: [d for d in found if not d.startswith(TUNED_KEYS)] for label, found in differ.items()}
+        differ = {label: {k: v for k, v in found.items() if k not in TUNED_KEYS} for label, found in differ.items()}
         out = [tuned, "", *out]
     schemes = {label.split(" · ")[0] for label in labels}  # within one scheme, the labels name the difference
     if len(schemes) > 1 and any(differ.values()):
@@ -210,7 +209,7 @@ def table_head(
 
 UNREACHED = "†"
 UNSETTLED = "‡"
-TUNED_KEYS = ("optim.lr=", "optim.scheme_lr_multiplier=", "optim.tuned=")
+TUNED_KEYS = frozenset({"optim.lr", "optim.scheme_lr_multiplier", "optim.tuned"})
 GENERATED_WINDOWS = (
     "generated windows, not a text split (the same windows at a length for every run, from the evaluation's own seed, "
     "apart from every training and validation seed)"
