@@ -14,7 +14,7 @@ from posenc.evaluate.bins import binned, edges
 from posenc.report import build_report, find_results
 from posenc.report.common import scored_on
 from posenc.report.preset import learned_seeds, recall_test
-from posenc.report.study import keep_records
+from posenc.report.study import _wall_seconds, keep_records
 
 
 def _text_run(root: Path, label: str, seed: int, ppl: float, gaps: list | None = None, lr: float = 2e-3) -> Path:
@@ -36,6 +36,17 @@ def _text_run(root: Path, label: str, seed: int, ppl: float, gaps: list | None =
     (folder / "eval" / "results.json").write_text(json.dumps(result))
     (folder / "run.json").write_text(json.dumps({"steps": 10, "tokens": 6000}))
     return folder
+
+
+def test_a_study_run_in_waves_days_apart_counts_only_the_time_runs_were_training() -> None:
+    def run(end: str, seconds: float) -> dict[str, object]:
+        return {"finished_at": end, "train_seconds": seconds}
+
+    # two lanes overlapping by 50 s, a third run 2 days later, one run that recorded no time
+    records = [run("2026-11-27T10:02:00+0000", 120), run("2026-11-27T10:03:10+0000", 120)]
+    records += [run("2026-11-29T09:00:00+0000", 300), {"finished_at": "2026-11-29T09:00:00+0000"}]
+    assert _wall_seconds(records) == pytest.approx(190 + 300)
+    assert _wall_seconds([{}]) is None
 
 
 def test_tables_say_their_split_budget_tuned_rates_and_untrained_parameters(tmp_path: Path) -> None:

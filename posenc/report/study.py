@@ -227,7 +227,7 @@ def header(
         *regenerate,
         "```",
         "",
-        "| runs (results) | seeds per column | machine | torch | training wall time (runs end to end) | finished |",
+        "| runs (results) | seeds per column | machine | torch | training wall time (summed over runs) | finished |",
         "|---:|---:|---|---|---|---|",
         f"| {len(trained)} ({len(runs)}) | {n} | {', '.join(machines)} | {', '.join(torches)} | {_duration(wall)} "
         f"({_duration(compute)}) | {finished[-1][:10] if finished else 'not recorded'} |",
@@ -246,13 +246,24 @@ def _record(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _wall_seconds(records: list[dict[str, Any]]) -> float | None:
-    """From the first run's start to the last one's end (runs in parallel overlap), ``None`` when not recorded."""
+    """Time during which at least one run was training, ``None`` when not recorded.
+
+    Runs in parallel overlap and count once; a study run in waves days apart (seeds added later) does not count the
+    days between them, which a first-start-to-last-end span would.
+    """
     spans = []
     for record in records:
         if record.get("finished_at") and record.get("train_seconds"):
             end = datetime.datetime.strptime(record["finished_at"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
             spans.append((end - record["train_seconds"], end))
-    return max(e for _, e in spans) - min(s for s, _ in spans) if spans else None
+    if not spans:
+        return None
+    total, (start, end) = 0.0, sorted(spans)[0]
+    for next_start, next_end in sorted(spans)[1:]:
+        if next_start > end:
+            total, start = total + end - start, next_start
+        end = max(end, next_end)
+    return total + end - start
 
 
 def _duration(seconds: float | None) -> str:
