@@ -86,7 +86,8 @@ STUDIES = {
         "python -m posenc.train -m -cd sweeps -cn comparison  # 8 schemes x 5 seeds; on 2 cores, as two "
         "single-threaded halves side by side:\n"
         "#   OMP_NUM_THREADS=1 ... +encoding=alibi,nope,t5,fire & "
-        "OMP_NUM_THREADS=1 ... +encoding=rope,kerple_log,stick_breaking_trained,fox",
+        "OMP_NUM_THREADS=1 ... +encoding=rope,kerple_log,stick_breaking_trained,fox\n"
+        "python -m posenc.train -m -cd sweeps -cn comparison seed=5,6,7,8,9  # five more seeds, ten a scheme",
         "outputs/sweeps/comparison",
     ),
     "layouts": Study(
