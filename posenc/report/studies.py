@@ -103,7 +103,7 @@ STUDIES = {
         "for p in '' 'eval.mode=sliding eval.stride_fraction=0.5'; do python -m posenc.evaluate $run "
         "eval.split=test eval.sample=long_documents eval.attention_scale=$s $p; done; done\n"
         "# ALiBi, RoPE and NoPE beside them are the comparison's own runs, read from its kept records",
-        "outputs/sweeps/comparison_additions docs/results/comparison/runs/{alibi,rope,nope}-L64-s*",
+        "outputs/sweeps/comparison_additions docs/results/comparison/runs/{alibi,rope,nope}-L64-s[0-4]",
         # each inference-time scaling against the same runs without it, beside the two default references
         references=(*DEFAULT_REFERENCES, "* · llama4", "* · log_n"),
     ),
@@ -117,8 +117,9 @@ STUDIES = {
         "Does the fair comparison's ranking hold at four times the tokens?",
         "python -m posenc.train -m -cd sweeps -cn comparison  # 600 steps, then 2,400:\n"
         "python -m posenc.train -m -cd sweeps -cn comparison trainer.max_steps=2400 sweep_name=comparison_2400\n"
-        "# then the comparison and comparison-2400 studies, whose kept records this one reads",
-        "docs/results/comparison/runs docs/results/comparison-2400/runs",
+        "# then the comparison and comparison-2400 studies, whose kept records this one reads: the seeds both budgets "
+        "have (0-4), so neither budget's tests have more power than the other's",
+        "docs/results/comparison/runs/*-s[0-4] docs/results/comparison-2400/runs",
         budgets=True,
     ),
     "sensitivity": Study(
@@ -126,7 +127,7 @@ STUDIES = {
         "python -m posenc.train -m -cd sweeps -cn sensitivity_fire  # FIRE's threshold at L and 512, 5 seeds each\n"
         "python -m posenc.train -m -cd sweeps -cn sensitivity_t5  # T5's 32 buckets up to L and 2L, 5 seeds each\n"
         "# their third setting (the comparison's) and ALiBi are the comparison's own runs, read from its kept records",
-        "outputs/sweeps/sensitivity docs/results/comparison/runs/{alibi,fire,t5}-L64-s*",
+        "outputs/sweeps/sensitivity docs/results/comparison/runs/{alibi,fire,t5}-L64-s[0-4]",
     ),
     "frontier": Study(
         "The 2024–2025 frontier on the reproduction's backbone (one seed)",

@@ -208,7 +208,7 @@ def header(
             "",
             "```bash",
             study.runs_command,
-            f"python -m posenc.report {' '.join(read_from)} --study {name} --out {out.as_posix()}",
+            f"python -m posenc.report {' '.join(braced(read_from))} --study {name} --out {out.as_posix()}",
         ]
     else:
         regenerate = [
