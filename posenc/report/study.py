@@ -292,10 +292,6 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
         raise SystemExit(f"unknown study {name!r}: choose from {', '.join(STUDIES)}")
     folder = out.with_suffix("")
     records = folder / "runs"
-    results = find_results(paths)
-    if not results:
-        raise SystemExit(f"no results.json under {', '.join(paths)}: nothing to write {out} from")
-    bench = find_bench(paths)
     mine = records.resolve()
     elsewhere = [
         Path(p).as_posix()
@@ -304,10 +300,16 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
     ]
     fresh = [p for p in paths if Path(p).as_posix() not in elsewhere]
     read_from = [Path(p).as_posix() for p in paths] if not fresh else None
-    if fresh:  # its own runs kept beside it (once more when rewritten from them); others' read where they are kept
-        if not all(Path(p).resolve() == mine for p in fresh):
-            keep_records(find_results(fresh), records, find_bench(fresh))
-        results, bench = find_results([records, *elsewhere]), find_bench([records, *elsewhere])
+    # Its own runs kept beside it (once more when rewritten from them), read back from there; others' read where kept.
+    if fresh and not all(Path(p).resolve() == mine for p in fresh):
+        found = find_results(fresh)
+        if not found:
+            raise SystemExit(f"no results.json under {', '.join(fresh)}: nothing to write {out} from")
+        keep_records(found, records, find_bench(fresh))
+    sources = [records, *elsewhere] if fresh else paths
+    results, bench = find_results(sources), find_bench(sources)
+    if not results:
+        raise SystemExit(f"no results.json under {', '.join(paths)}: nothing to write {out} from")
     study = STUDIES[name]
     markdown = build_report(
         results,
