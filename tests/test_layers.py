@@ -38,7 +38,8 @@ LAYERS = {
     "cluster": 9,  # the SLURM launcher (above the sweep's bookkeeping) and the local cluster
     "training.callbacks": 9,
     "training.console": 9,  # what the console and train.log show of a run: Lightning's own lines, quieted
-    "training.loop": 10,
+    "training.watch": 10,  # a run's callbacks and its summary: above the evaluation they run, below the loop
+    "training.loop": 10.5,
     "report": 10,
     "bench": 11,
     "gpu": 11,  # the GPU check and session: they run the training, the benchmark and pytest as subprocesses

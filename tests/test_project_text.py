@@ -121,3 +121,23 @@ def test_every_study_opens_with_its_provenance() -> None:
         for field in fields:
             assert field in head, f"{path.name}: its header lacks {field}"
         assert "\n## History\n" in text, f"{path.name}: no History section"
+
+
+# The three words a test can give (flat: a ratio's equivalence with 1), and a study document to name.
+TESTED_WORD = re.compile(r"\b(separated|equivalent|inconclusive|flat)\b")
+STUDY_LINK = re.compile(r"\]\(docs/results/[\w.-]+\.md\)")
+
+
+def test_every_finding_names_its_table_and_a_word_its_test_gave() -> None:
+    """Each bullet of the README's findings is a claim: it links the study its figures come from and says its word.
+
+    A claim without its table cannot be checked, and one without a tested word reads a difference or a parity into
+    numbers that no test gave.
+    """
+    section = README.read_text().split("\n## What we found\n", 1)[1].split("\n## ", 1)[0]
+    opening, *bullets = re.split(r"\n(?=- )", section)
+    assert bullets, "the findings are no longer bullets: this test reads each bullet as one claim"
+    for claim in [opening, *bullets]:
+        first = " ".join(claim.split())[:80]
+        assert STUDY_LINK.search(claim), f"a finding names no study document: {first}…"
+        assert TESTED_WORD.search(claim), f"a finding says no word a test gave: {first}…"
