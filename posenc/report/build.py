@@ -111,39 +111,11 @@ def build_report(
     """
     if not results:
         raise SystemExit("no results.json found: train with eval.at_end=true or run `python -m posenc.evaluate <run>`")
-    for run in results:  # an older run that diverged without stopping: no finite perplexity at any length
-        rows = run.get("perplexity") or []
-        if rows and not run.get("failed") and all(r["ppl"] is None and r["error"] is None for r in rows):
-            run["failed"] = "no finite perplexity at any length (the run diverged)"
-            run.setdefault("run_name", run["label"])
-    failed = [r for r in results if r.get("failed")]
-    results = [r for r in results if not r.get("failed")]
-    unfinished = [r for r in results if not finished(r)]
-    if not include_unfinished:
-        results = [r for r in results if finished(r)]
-    results, repeated = distinct_seeds(results)
+    results, failed, unfinished, repeated = _screened(results, include_unfinished)
     out_dir.mkdir(parents=True, exist_ok=True)
     counted = f"{len(results)} evaluated run(s)" + (" (unfinished ones included)" if include_unfinished else "")
     sections = ["# posenc extrapolation report", "", counted + "."]
-    if left_out:
-        sections += ["", f"## Left out: {len(left_out)} record(s) that could not be read", ""]
-        sections += [f"- {problem}" for problem in left_out]
-    if failed:
-        counts = "counted as diverged in the stability tables" if stability_only else "not counted in any column"
-        sections += ["", f"## Failed runs ({len(failed)}, {counts})", ""]
-        sections += [
-            f"- {run['run_name']}: {run['failed']} ({Path(run.get('_source', 'W&B')).parent})" for run in failed
-        ]
-    if repeated:
-        sections += ["", f"## Seeds counted once ({len(repeated)} seed(s) run more than once)", ""]
-        sections += [f"- {note}" for note in repeated]
-    if unfinished:
-        where = "in columns of their own" if include_unfinished else "not counted; --include-unfinished counts them"
-        sections += ["", f"## Unfinished runs ({len(unfinished)}, {where})", ""]
-        for run in unfinished:
-            training = run.get("training") or {}
-            steps = f"step {training.get('steps', '?')} of {training.get('max_steps', '?')}"
-            sections.append(f"- {run.get('run_name') or run['label']}: trained to {steps} ({run_dir(run)})")
+    sections += _set_apart(left_out or [], failed, repeated, unfinished, include_unfinished, stability_only)
     appendix = Appendix()
     sections += cost_section(results, bench) if bench else []
     if tuning_only:
@@ -176,3 +148,54 @@ def build_report(
     if write:
         write_text(out_dir / "report.md", markdown)
     return markdown
+
+
+def _screened(results: Results, include_unfinished: bool) -> tuple[Results, Results, Results, list[str]]:
+    """(the runs counted, the failed, the unfinished, a note per seed run more than once): what is set apart, and why.
+
+    An older run that diverged without stopping (no finite perplexity at any length) counts as failed.
+    """
+    for run in results:
+        rows = run.get("perplexity") or []
+        if rows and not run.get("failed") and all(r["ppl"] is None and r["error"] is None for r in rows):
+            run["failed"] = "no finite perplexity at any length (the run diverged)"
+            run.setdefault("run_name", run["label"])
+    failed = [r for r in results if r.get("failed")]
+    results = [r for r in results if not r.get("failed")]
+    unfinished = [r for r in results if not finished(r)]
+    if not include_unfinished:
+        results = [r for r in results if finished(r)]
+    results, repeated = distinct_seeds(results)
+    return results, failed, unfinished, repeated
+
+
+def _set_apart(
+    left_out: list[str],
+    failed: Results,
+    repeated: list[str],
+    unfinished: Results,
+    include_unfinished: bool,
+    stability_only: bool,
+) -> list[str]:
+    """The report's first sections: what it could not read and what it did not count, before any table."""
+    sections: list[str] = []
+    if left_out:
+        sections += ["", f"## Left out: {len(left_out)} record(s) that could not be read", ""]
+        sections += [f"- {problem}" for problem in left_out]
+    if failed:
+        counts = "counted as diverged in the stability tables" if stability_only else "not counted in any column"
+        sections += ["", f"## Failed runs ({len(failed)}, {counts})", ""]
+        sections += [
+            f"- {run['run_name']}: {run['failed']} ({Path(run.get('_source', 'W&B')).parent})" for run in failed
+        ]
+    if repeated:
+        sections += ["", f"## Seeds counted once ({len(repeated)} seed(s) run more than once)", ""]
+        sections += [f"- {note}" for note in repeated]
+    if unfinished:
+        where = "in columns of their own" if include_unfinished else "not counted; --include-unfinished counts them"
+        sections += ["", f"## Unfinished runs ({len(unfinished)}, {where})", ""]
+        for run in unfinished:
+            training = run.get("training") or {}
+            steps = f"step {training.get('steps', '?')} of {training.get('max_steps', '?')}"
+            sections.append(f"- {run.get('run_name') or run['label']}: trained to {steps} ({run_dir(run)})")
+    return sections
