@@ -16,7 +16,7 @@ from posenc.report.preset import DEFAULT_REFERENCES
 from posenc.report.study import write_study
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m posenc.report", description=about.split("\n\n")[0])
     parser.add_argument("paths", nargs="*", help="sweep or run directories (searched for results.json), or files")
     parser.add_argument("--out", type=Path, help="output directory (default: the first path, or ./report)")
@@ -59,6 +59,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("--acc-fraction", "the fraction of in-length accuracy (relative rule; absolute: of the best column's)"),
     ):
         parser.add_argument(flag, type=float, help=what)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = _parser()
     args = parser.parse_args(argv)
     for flag, number, valid in (
         ("--ppl-threshold", args.ppl_threshold, lambda x: x >= 1),
@@ -75,6 +80,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if missing:
         raise SystemExit(f"{missing[0]} does not exist: give sweep or run directories, or results.json files")
     unreadable: list[str] = []
+    if args.study:  # before any record is read: the study reads its runs itself
+        if args.out is None or args.out.suffix != ".md" or args.wandb:
+            raise SystemExit("--study writes a document from run directories: give --out docs/results/<name>.md")
+        write_study(args.study, args.paths, args.out, unreadable, make_plots=not args.no_plots)
+        for problem in dict.fromkeys(unreadable):
+            print(f"left out: {problem}", file=sys.stderr)
+        records = args.out.with_suffix("") / "runs"
+        kept = f" and its records in {records}" if records.is_dir() else " from the studies' records it names"
+        print(f"wrote {args.out}{kept}")
+        return
     results = find_results(args.paths, unreadable)
     if not results and unreadable:
         raise SystemExit(f"no readable results: {unreadable[0]}. Re-run `python -m posenc.evaluate <run>` for it")
@@ -83,14 +98,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.wandb:
         results += results_from_wandb(args.wandb, args.group)
     view_group = _view_group(args.wandb_view, args.group, results) if args.wandb_view else None
-    if args.study:
-        if args.out is None or args.out.suffix != ".md" or args.wandb:
-            raise SystemExit("--study writes a document from run directories: give --out docs/results/<name>.md")
-        write_study(args.study, args.paths, args.out, make_plots=not args.no_plots)
-        records = args.out.with_suffix("") / "runs"
-        kept = f" and its records in {records}" if records.is_dir() else " from the studies' records it names"
-        print(f"wrote {args.out}{kept}")
-        return
     first = Path(args.paths[0]) if args.paths else None
     out_dir = args.out or (first if first is not None and first.is_dir() else Path("report"))
     try:

@@ -283,10 +283,11 @@ def generated(markdown: str, name: str) -> list[str]:
     return [re.sub(r"!\[([^\]]*)\]\(([^)/]+)\)", rf"![\1]({name}/\2)", line) for line in lines]
 
 
-def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
+def write_study(name: str, paths: list[str], out: Path, unreadable: list[str] | None = None, **report: Any) -> str:
     """Keep the runs' records beside ``out``, build the report from those copies, and write the document.
 
-    What follows the generated block in an existing ``out`` is kept. Returns the document.
+    What follows the generated block in an existing ``out`` is kept. Returns the document. A record that cannot be
+    read is named in ``unreadable`` (``file: why``), as ``find_results`` names it.
     """
     if name not in STUDIES:
         raise SystemExit(f"unknown study {name!r}: choose from {', '.join(STUDIES)}")
@@ -302,12 +303,12 @@ def write_study(name: str, paths: list[str], out: Path, **report: Any) -> str:
     read_from = [Path(p).as_posix() for p in paths] if not fresh else None
     # Its own runs kept beside it (once more when rewritten from them), read back from there; others' read where kept.
     if fresh and not all(Path(p).resolve() == mine for p in fresh):
-        found = find_results(fresh)
+        found = find_results(fresh, unreadable)
         if not found:
             raise SystemExit(f"no results.json under {', '.join(fresh)}: nothing to write {out} from")
         keep_records(found, records, find_bench(fresh))
     sources = [records, *elsewhere] if fresh else paths
-    results, bench = find_results(sources), find_bench(sources)
+    results, bench = find_results(sources, unreadable), find_bench(sources)
     if not results:
         raise SystemExit(f"no results.json under {', '.join(paths)}: nothing to write {out} from")
     study = STUDIES[name]
