@@ -268,8 +268,15 @@ def tuned_settings(by_label: Columns) -> str:
         f"{label}: lr {found[0]['lr']:g}, ×{found[0]['scheme_lr_multiplier']:g}" for label, found in records.items()
     )
     rules: dict[str, list[str]] = {}
-    for label, found in records.items():
-        rules.setdefault(str(found[0].get("rule")), []).append(label)
+    for label, found in records.items():  # a column's seeds may have read two wordings (seeds added later)
+        seeds: dict[str, list[Any]] = {}
+        for run, record in zip(by_label[label], found, strict=True):
+            seeds.setdefault(str(record.get("rule")), []).append(run.get("seed"))
+        for wording, read in seeds.items():
+            ordered = sorted(read, key=lambda seed: (not isinstance(seed, int), seed if isinstance(seed, int) else 0))
+            which = f"seed{'s' if len(ordered) > 1 else ''} {', '.join(map(str, ordered))}"
+            shown = label if len(seeds) == 1 else f"{label} {which}"
+            rules.setdefault(wording, []).append(shown)
     if len(rules) == 1:
         rule = f"by one rule ({first.get('rule')})"
     else:  # the selection file was rewritten between runs: say which columns read which wording of the rule
