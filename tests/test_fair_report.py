@@ -74,7 +74,8 @@ def test_columns_selected_under_two_wordings_of_the_rule_say_which_read_which(tm
             result["config"]["tuning"]["rule"] = "the revised rule"
             (folder / "eval" / "results.json").write_text(json.dumps(result))
     markdown = build_report(find_results([tmp_path]), tmp_path / "report", make_plots=False)
-    assert "by the rule as each run read it (alibi seeds 0, 1: the rule; alibi seed 2, t5: the revised rule)" in markdown
+    rules = "by the rule as each run read it (alibi seeds 0, 1: the rule; alibi seed 2, t5: the revised rule)"
+    assert rules in markdown
     assert "by one rule" not in markdown
 
 
