@@ -274,7 +274,7 @@ def tuned_settings(by_label: Columns) -> str:
             seeds.setdefault(str(record.get("rule")), []).append(run.get("seed"))
         for wording, read in seeds.items():
             ordered = sorted(read, key=lambda seed: (not isinstance(seed, int), seed if isinstance(seed, int) else 0))
-            which = f"seed{'s' if len(ordered) > 1 else ''} {', '.join(map(str, ordered))}"
+            which = f"seed{'s' if len(ordered) > 1 else ''} {_ranges(ordered)}"
             shown = label if len(seeds) == 1 else f"{label} {which}"
             rules.setdefault(wording, []).append(shown)
     if len(rules) == 1:
@@ -285,6 +285,17 @@ def tuned_settings(by_label: Columns) -> str:
         f"Learning rates selected per scheme on the {first.get('split')} split {rule}, "
         f"from {next(iter(sources))}: {chosen}."
     )
+
+
+def _ranges(seeds: Sequence[Any]) -> str:
+    """Seeds as a reader counts them: ``0–4, 7`` for 0, 1, 2, 3, 4, 7 (runs of consecutive integers as ranges)."""
+    parts: list[list[Any]] = []
+    for seed in seeds:
+        if parts and isinstance(seed, int) and isinstance(parts[-1][-1], int) and seed == parts[-1][-1] + 1:
+            parts[-1].append(seed)
+        else:
+            parts.append([seed])
+    return ", ".join(f"{run[0]}–{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in parts)
 
 
 def scored_on(by_label: Columns) -> str:
