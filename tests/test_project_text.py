@@ -126,18 +126,44 @@ def test_every_study_opens_with_its_provenance() -> None:
 # The three words a test can give (flat: a ratio's equivalence with 1), and a study document to name.
 TESTED_WORD = re.compile(r"\b(separated|equivalent|inconclusive|flat)\b")
 STUDY_LINK = re.compile(r"\]\(docs/results/[\w.-]+\.md\)")
+FIGURE = re.compile(r"\d\.\d")
 
 
-def test_every_finding_names_its_table_and_a_word_its_test_gave() -> None:
-    """Each bullet of the README's findings is a claim: it links the study its figures come from and says its word.
+def sentences(text: str) -> list[str]:
+    """``text`` cut after each full stop or semicolon outside parentheses (so "(0.25 → 0.16; 0.53)" stays whole)."""
+    out, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(char, 0)
+        if depth == 0 and char in ".;" and text[i + 1 : i + 2] in (" ", ""):
+            out.append(text[start : i + 1].strip())
+            start = i + 1
+    return [s for s in [*out, text[start:].strip()] if s]
 
-    A claim without its table cannot be checked, and one without a tested word reads a difference or a parity into
-    numbers that no test gave.
+
+def test_sentences_split_outside_parentheses_only() -> None:
+    assert sentences("A (0.25 → 0.16; 0.53) is 1.0 flat. B 2.5; C.") == [
+        "A (0.25 → 0.16; 0.53) is 1.0 flat.",
+        "B 2.5;",
+        "C.",
+    ]
+
+
+def test_every_finding_names_its_table_and_each_figure_a_word_its_test_gave() -> None:
+    """Each bullet of the README's findings is a claim: it links the study its figures come from, and every sentence
+    of it that states a figure says the word a test gave it, or that it is untested.
+
+    A claim without its table cannot be checked, and a figure without a tested word reads a difference or a parity
+    into numbers that no test gave. The opening states the setting and holds the table, whose cells carry words.
     """
     section = README.read_text().split("\n## What we found\n", 1)[1].split("\n## ", 1)[0]
     opening, *bullets = re.split(r"\n(?=- )", section)
     assert bullets, "the findings are no longer bullets: this test reads each bullet as one claim"
-    for claim in [opening, *bullets]:
-        first = " ".join(claim.split())[:80]
-        assert STUDY_LINK.search(claim), f"a finding names no study document: {first}…"
-        assert TESTED_WORD.search(claim), f"a finding says no word a test gave: {first}…"
+    assert STUDY_LINK.search(opening) and TESTED_WORD.search(opening), "the findings' opening lost its table or words"
+    for claim in bullets:
+        text = " ".join(claim.split())
+        assert STUDY_LINK.search(claim), f"a finding names no study document: {text[:80]}…"
+        for sentence in sentences(text):
+            if FIGURE.search(sentence):
+                assert TESTED_WORD.search(sentence) or "untested" in sentence, (
+                    f"a figure without a word a test gave (or 'untested'): {sentence[:120]}…"
+                )
