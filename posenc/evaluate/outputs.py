@@ -51,6 +51,43 @@ def replace_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) 
     return [out_dir / image.name for image in images]
 
 
+def _perplexity_outputs(results: dict[str, Any], out_dir: Path, plots: bool) -> list[Path]:
+    """perplexity.csv and loss_by_position.csv, and their two plots; returns the PNGs written."""
+    label, train_len = results["label"], results["train_len"]
+    images: list[Path] = []
+    _write_csv(out_dir / "perplexity.csv", results["perplexity"], exclude={"loss_by_position", "document_loss"})
+    by_length = sorted(results["loss_by_position"].items(), key=lambda item: int(item[0]))
+    rows = [{"length": int(n), "position": i, "loss": v} for n, curve in by_length for i, v in enumerate(curve)]
+    _write_csv(out_dir / "loss_by_position.csv", rows)
+    if plots:
+        ok = [r for r in results["perplexity"] if r["error"] is None]
+        images.append(
+            plot_lines(
+                {label: ([r["length"] for r in ok], [r["ppl"] for r in ok], None)},
+                out_dir / "ppl_vs_length.png",
+                f"{label}: perplexity vs evaluation length",
+                "evaluation length (tokens)",
+                "perplexity",
+                train_len=train_len,
+                logy=True,
+                min_span=PPL_MIN_SPAN,
+            )
+        )
+        if by_length:
+            images.append(
+                plot_lines(
+                    {f"windows of {n}": (*smooth(curve), None) for n, curve in by_length},
+                    out_dir / "loss_by_position.png",
+                    f"{label}: loss by position, per evaluation length",
+                    "position in window",
+                    "loss (nats)",
+                    train_len=train_len,
+                    min_span=LOSS_MIN_SPAN,
+                )
+            )
+    return images
+
+
 def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) -> list[Path]:
     """results.json, CSVs and PNGs under ``out_dir``; returns the PNGs written."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -58,36 +95,7 @@ def write_outputs(results: dict[str, Any], out_dir: Path, plots: bool = True) ->
     label, train_len = results["label"], results["train_len"]
     images: list[Path] = []
     if "perplexity" in results:
-        _write_csv(out_dir / "perplexity.csv", results["perplexity"], exclude={"loss_by_position", "document_loss"})
-        by_length = sorted(results["loss_by_position"].items(), key=lambda item: int(item[0]))
-        rows = [{"length": int(n), "position": i, "loss": v} for n, curve in by_length for i, v in enumerate(curve)]
-        _write_csv(out_dir / "loss_by_position.csv", rows)
-        if plots:
-            ok = [r for r in results["perplexity"] if r["error"] is None]
-            images.append(
-                plot_lines(
-                    {label: ([r["length"] for r in ok], [r["ppl"] for r in ok], None)},
-                    out_dir / "ppl_vs_length.png",
-                    f"{label}: perplexity vs evaluation length",
-                    "evaluation length (tokens)",
-                    "perplexity",
-                    train_len=train_len,
-                    logy=True,
-                    min_span=PPL_MIN_SPAN,
-                )
-            )
-            if by_length:
-                images.append(
-                    plot_lines(
-                        {f"windows of {n}": (*smooth(curve), None) for n, curve in by_length},
-                        out_dir / "loss_by_position.png",
-                        f"{label}: loss by position, per evaluation length",
-                        "position in window",
-                        "loss (nats)",
-                        train_len=train_len,
-                        min_span=LOSS_MIN_SPAN,
-                    )
-                )
+        images += _perplexity_outputs(results, out_dir, plots)
     if "passkey" in results:
         _write_csv(out_dir / "passkey.csv", results["passkey"])
         if plots:
@@ -148,72 +156,87 @@ def _write_csv(path: Path, rows: list[dict[str, Any]], exclude: set[str] = froze
     write_text(path, text.getvalue())
 
 
-def print_results(results: dict[str, Any]) -> None:
-    """The human summary: perplexity by length (with the ratio to in-length), task accuracies."""
+def _perplexity_lines(results: dict[str, Any]) -> list[str]:
+    """Perplexity by length with the ratio to in-length, and what was scored (sample, documents left out)."""
+    lines: list[str] = []
     label, train_len = results["label"], results["train_len"]
-    if "perplexity" in results:
-        rows = results["perplexity"]
-        mode = rows[0]["mode"]
-        if rows[0].get("stride_fraction") is not None:
-            mode += f", stride {rows[0]['stride_fraction']:g} of each length"
-        elif rows[0]["stride"]:
-            mode += f", stride {rows[0]['stride']}"
-        scored = rows[0]["tokens"]
-        what = "; ".join(provenance(results.get("config") or {}, results.get("lineage")))
-        print(
-            f"\nPerplexity of {label}{f' ({what})' if what else ''} trained at L={train_len} ({mode}; {scored} tokens "
-            "scored at each length):"
+    if "perplexity" not in results:
+        return lines
+    rows = results["perplexity"]
+    mode = rows[0]["mode"]
+    if rows[0].get("stride_fraction") is not None:
+        mode += f", stride {rows[0]['stride_fraction']:g} of each length"
+    elif rows[0]["stride"]:
+        mode += f", stride {rows[0]['stride']}"
+    scored = rows[0]["tokens"]
+    what = "; ".join(provenance(results.get("config") or {}, results.get("lineage")))
+    lines.append(
+        f"\nPerplexity of {label}{f' ({what})' if what else ''} trained at L={train_len} ({mode}; {scored} tokens "
+        "scored at each length):"
+    )
+    documents = results.get("documents") or {}
+    split = results["eval"].get("split", "validation")
+    where = {
+        "documents": f"a piece of each of the {len(documents.get('documents', []))} documents of the {split} split",
+        "split": f"the whole {split} split",
+        "long_documents": f"whole longest windows inside each of {len(documents.get('documents', []))} documents "
+        f"of the {split} split",
+    }.get(documents.get("sample"), f"the first tokens of the {split} split")
+    data = (results.get("config") or {}).get("data") or {}
+    if data.get("val_windows"):  # two perplexities at 1×: say why they differ
+        lines.append(
+            f"  (1× here scores {scored} tokens, {where}; training's val/ppl scored the first "
+            f"{data['val_windows'] * train_len} of the split, so the two differ by sample, not by method)"
         )
-        documents = results.get("documents") or {}
-        split = results["eval"].get("split", "validation")
-        where = {
-            "documents": f"a piece of each of the {len(documents.get('documents', []))} documents of the {split} split",
-            "split": f"the whole {split} split",
-            "long_documents": f"whole longest windows inside each of {len(documents.get('documents', []))} documents "
-            f"of the {split} split",
-        }.get(documents.get("sample"), f"the first tokens of the {split} split")
-        data = (results.get("config") or {}).get("data") or {}
-        if data.get("val_windows"):  # two perplexities at 1×: say why they differ
-            print(
-                f"  (1× here scores {scored} tokens, {where}; training's val/ppl scored the first "
-                f"{data['val_windows'] * train_len} of the split, so the two differ by sample, not by method)"
+    if documents.get("qualifying"):  # long_documents: which documents could hold a window of each length
+        held = ", ".join(f"{n}: {count}" for n, count in documents["qualifying"].items())
+        lines.append(
+            f"  (every window inside one document, {where}; documents of the split that hold a window of each "
+            f"length: {held}; {documents.get('too_short')} of {documents.get('split_documents')} are too short "
+            "for the longest)"
+        )
+    leakage = documents.get("leakage") or {}
+    if leakage.get("dropped"):
+        dropped = leakage["dropped"]
+        lines.append(
+            f"  ({len(dropped)} of the split's {leakage['split_documents']} documents left out as near-copies of "
+            f"training text, containment ≥ {leakage['max_containment']:g} in {leakage.get('unit', 'lines')}: "
+            + ", ".join(f"#{d['document']} ({d['containment']:.2f}, {d['tokens']} tokens)" for d in dropped)
+            + ")"
+        )
+    lines.append(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
+    for r in rows:
+        if r["error"]:
+            lines.append(
+                f"  {r['length']:>7} {r['multiple']:>5g} {'n/a':>8} {'n/a':>9} {'':>9} {'':>7}  ({r['error']})"
             )
-        if documents.get("qualifying"):  # long_documents: which documents could hold a window of each length
-            held = ", ".join(f"{n}: {count}" for n, count in documents["qualifying"].items())
-            print(
-                f"  (every window inside one document, {where}; documents of the split that hold a window of each "
-                f"length: {held}; {documents.get('too_short')} of {documents.get('split_documents')} are too short "
-                "for the longest)"
-            )
-        leakage = documents.get("leakage") or {}
-        if leakage.get("dropped"):
-            dropped = leakage["dropped"]
-            print(
-                f"  ({len(dropped)} of the split's {leakage['split_documents']} documents left out as near-copies of "
-                f"training text, containment ≥ {leakage['max_containment']:g} in {leakage.get('unit', 'lines')}: "
-                + ", ".join(f"#{d['document']} ({d['containment']:.2f}, {d['tokens']} tokens)" for d in dropped)
-                + ")"
-            )
-        print(f"  {'length':>7} {'×L':>5} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'vs 1×':>7}")
-        for r in rows:
-            if r["error"]:
-                print(f"  {r['length']:>7} {r['multiple']:>5g} {'n/a':>8} {'n/a':>9} {'':>9} {'':>7}  ({r['error']})")
-            else:
-                ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
-                figures = f"{r['loss']:>8.4f} {r['ppl']:>9.3f} {r['bpb']:>9.4f} {ratio:>7}"
-                print(f"  {r['length']:>7} {r['multiple']:>5g} {figures}")
+        else:
+            ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
+            figures = f"{r['loss']:>8.4f} {r['ppl']:>9.3f} {r['bpb']:>9.4f} {ratio:>7}"
+            lines.append(f"  {r['length']:>7} {r['multiple']:>5g} {figures}")
+    return lines
+
+
+def _task_lines(results: dict[str, Any]) -> list[str]:
+    """Each evaluated task's accuracy by length, with its chance and whether the run trained on its format."""
+    lines: list[str] = []
+    label, train_len = results["label"], results["train_len"]
     for name in TASK_NAMES:
         if name == "mqar" and name in results:
-            print("\n".join(mqar_lines(results)))
+            lines.append("\n".join(mqar_lines(results)))
             if results.get("trained_task") != name:
-                print(f"  ({label} was not trained on mqar's format: these figures measure the format, not recall)")
+                lines.append(
+                    f"  ({label} was not trained on mqar's format: these figures measure the format, not recall)"
+                )
         elif name in results:
             exact = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_acc@")}
             byte = {k.split("@")[1]: v for k, v in results["summary"].items() if k.startswith(f"{name}_byte_acc@")}
             shown = ", ".join(f"{m} {v:.2f} ({byte.get(m, float('nan')):.2f} per byte)" for m, v in exact.items())
-            print(f"{name} accuracy by length: {shown}; per-byte chance {CHANCE_PER_BYTE[name]:.2f}")
+            lines.append(f"{name} accuracy by length: {shown}; per-byte chance {CHANCE_PER_BYTE[name]:.2f}")
             if results.get("trained_task") != name:
-                print(f"  ({label} was not trained on {name}'s format: these figures measure the format, not recall)")
+                lines.append(
+                    f"  ({label} was not trained on {name}'s format: these figures measure the format, not recall)"
+                )
             rows = [r for r in results[name] if "first_byte_accuracy" in r]
             if rows:
                 chance = f"chance {rows[0]['chance_first_byte']:.3g}, exact {rows[0]['chance_exact']:.3g}"
@@ -224,8 +247,13 @@ def print_results(results: dict[str, Any]) -> None:
                         f" ({rows[0].get('keyless_exact_elimination', rows[0]['keyless_exact']):.3g} with elimination)"
                     )
                 firsts = ", ".join(f"{r['length'] / train_len:g}x {r['first_byte_accuracy']:.2f}" for r in rows)
-                print(f"{name} first answer byte by length ({chance}): {firsts}")
-    print("\n".join(effective_lines(results)))
+                lines.append(f"{name} first answer byte by length ({chance}): {firsts}")
+    return lines
+
+
+def print_results(results: dict[str, Any]) -> None:
+    """The human summary: perplexity by length (with the ratio to in-length), task accuracies."""
+    print("\n".join([*_perplexity_lines(results), *_task_lines(results), *effective_lines(results)]))
     for stat in ("sink", "distance"):
         values = {k: v for k, v in results["summary"].items() if k.startswith(f"attn_{stat}@")}
         if values:

@@ -160,7 +160,8 @@ def markdown(rows: list[dict[str, Any]], table_rows: list[dict[str, Any]] | None
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: what to compile for, and how to show it."""
     parser = argparse.ArgumentParser(prog="python -m posenc.lane", description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="append", choices=sorted(GPUS), help="a GPU to compile for (default: all)")
     parser.add_argument("--scheme", action="append", help="a scheme or stack (default: every one that reaches flex)")
@@ -174,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="GPUs compiled for at once")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one GPU, in this process
     parser.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)  # which share of the cases: i/n
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     problem = version_mismatch()
     if problem:
         print(f"posenc.lane: {problem}; see the README's GPU check for the environment", file=sys.stderr)

@@ -178,24 +178,22 @@ def _set_apart(
     stability_only: bool,
 ) -> list[str]:
     """The report's first sections: what it could not read and what it did not count, before any table."""
-    sections: list[str] = []
-    if left_out:
-        sections += ["", f"## Left out: {len(left_out)} record(s) that could not be read", ""]
-        sections += [f"- {problem}" for problem in left_out]
-    if failed:
-        counts = "counted as diverged in the stability tables" if stability_only else "not counted in any column"
-        sections += ["", f"## Failed runs ({len(failed)}, {counts})", ""]
-        sections += [
-            f"- {run['run_name']}: {run['failed']} ({Path(run.get('_source', 'W&B')).parent})" for run in failed
-        ]
-    if repeated:
-        sections += ["", f"## Seeds counted once ({len(repeated)} seed(s) run more than once)", ""]
-        sections += [f"- {note}" for note in repeated]
-    if unfinished:
-        where = "in columns of their own" if include_unfinished else "not counted; --include-unfinished counts them"
-        sections += ["", f"## Unfinished runs ({len(unfinished)}, {where})", ""]
-        for run in unfinished:
-            training = run.get("training") or {}
-            steps = f"step {training.get('steps', '?')} of {training.get('max_steps', '?')}"
-            sections.append(f"- {run.get('run_name') or run['label']}: trained to {steps} ({run_dir(run)})")
-    return sections
+    failed_lines = [f"{run['run_name']}: {run['failed']} ({Path(run.get('_source', 'W&B')).parent})" for run in failed]
+    unfinished_lines = []
+    for run in unfinished:
+        training = run.get("training") or {}
+        steps = f"step {training.get('steps', '?')} of {training.get('max_steps', '?')}"
+        unfinished_lines.append(f"{run.get('run_name') or run['label']}: trained to {steps} ({run_dir(run)})")
+    counts = "counted as diverged in the stability tables" if stability_only else "not counted in any column"
+    where = "in columns of their own" if include_unfinished else "not counted; --include-unfinished counts them"
+    return [
+        *_listed(f"Left out: {len(left_out)} record(s) that could not be read", left_out),
+        *_listed(f"Failed runs ({len(failed)}, {counts})", failed_lines),
+        *_listed(f"Seeds counted once ({len(repeated)} seed(s) run more than once)", repeated),
+        *_listed(f"Unfinished runs ({len(unfinished)}, {where})", unfinished_lines),
+    ]
+
+
+def _listed(title: str, items: list[str]) -> list[str]:
+    """A section of the report's opening: its heading and one bullet an item, nothing when there are none."""
+    return ["", f"## {title}", "", *(f"- {item}" for item in items)] if items else []

@@ -258,8 +258,9 @@ def _wall_seconds(records: list[dict[str, Any]]) -> float | None:
             spans.append((end - record["train_seconds"], end))
     if not spans:
         return None
-    total, (start, end) = 0.0, sorted(spans)[0]
-    for next_start, next_end in sorted(spans)[1:]:
+    first, *rest = sorted(spans)
+    total, (start, end) = 0.0, first
+    for next_start, next_end in rest:
         if next_start > end:
             total, start = total + end - start, next_start
         end = max(end, next_end)
