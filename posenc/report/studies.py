@@ -113,6 +113,15 @@ STUDIES = {
         "the same halves side by side",
         "outputs/sweeps/comparison_2400",
     ),
+    "comparison-all-windows": Study(
+        "Every window of the test split: the comparison's second five seeds scored on all of them",
+        "python -m posenc.train -m -cd sweeps -cn comparison seed=5,6,7,8,9  # the comparison's second five seeds\n"
+        "# each run again on every 2,048-token window of the test split (no token cap), nonoverlapping; on 2 cores "
+        "as two single-threaded lanes side by side:\n"
+        "for run in outputs/sweeps/comparison/*-s[5-9]; do python -m posenc.evaluate $run eval.split=test "
+        "eval.sample=long_documents eval.max_tokens=null; done",
+        "outputs/sweeps/comparison/*-s[5-9]/eval_max_tokensNone",
+    ),
     "comparison-budgets": Study(
         "Does the fair comparison's ranking hold at four times the tokens?",
         "python -m posenc.train -m -cd sweeps -cn comparison  # 600 steps, then 2,400:\n"
