@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,109 +52,149 @@ from posenc.jsonio import write_json, write_text
 Call = Callable[[], Any]
 
 
-def _items(cfg: DictConfig, device: torch.device) -> list[tuple[str, str, Call | None, Call | None]]:
-    """(name, what it is, forward, forward+backward) of every item, in the order they are timed."""
-    bias = cfg.bias
-    shape = (bias.batch, bias.heads, bias.length, bias.head_dim)
-    dtype = resolve_dtype(cfg.dtype, device)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    dout = torch.randn(shape, device=device, dtype=dtype)
-    pos = torch.arange(bias.length, device=device)
-    kerple, t5, alibi = (
-        build(name, num_heads=bias.heads, head_dim=bias.head_dim).to(device)
-        for name in (bias.derivative_scheme, bias.table_scheme, bias.fixed_scheme)
-    )
-    options = kernel_options(kerple, q)
-    plan = plan_gradient(kerple, bias.length)
-    t5_plan = plan_gradient(t5, bias.length)
+@dataclass
+class _Inputs:
+    """One shape's tensors and schemes, shared by every item: each item times the same q, k, v and the same tables.
 
-    def backward(out: torch.Tensor, *leaves: torch.Tensor) -> None:
-        out.backward(dout)
-        for tensor in (q, k, v, *leaves):
+    Why a class: the items are closures over one set of inputs; as methods they read what they share by name, and
+    the list of items stays a list.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    pos: torch.Tensor
+    kerple: Any
+    t5: Any
+    alibi: Any
+
+    @classmethod
+    def make(cls, cfg: DictConfig, device: torch.device) -> _Inputs:
+        bias = cfg.bias
+        shape = (bias.batch, bias.heads, bias.length, bias.head_dim)
+        dtype = resolve_dtype(cfg.dtype, device)
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        dout = torch.randn(shape, device=device, dtype=dtype)
+        schemes = (
+            build(name, num_heads=bias.heads, head_dim=bias.head_dim).to(device)
+            for name in (bias.derivative_scheme, bias.table_scheme, bias.fixed_scheme)
+        )
+        return cls(q, k, v, dout, torch.arange(bias.length, device=device), *schemes)
+
+    @functools.cached_property
+    def options(self) -> dict | None:
+        return kernel_options(self.kerple, self.q)
+
+    @functools.cached_property
+    def plan(self) -> Any:
+        return plan_gradient(self.kerple, self.length)
+
+    @functools.cached_property
+    def t5_plan(self) -> Any:
+        return plan_gradient(self.t5, self.length)
+
+    @property
+    def length(self) -> int:
+        return self.q.shape[-2]
+
+    def table(self, detached: bool = False) -> torch.Tensor:
+        return distance_table(self.kerple, self.length, detached=detached)
+
+    def backward(self, out: torch.Tensor, *leaves: torch.Tensor) -> None:
+        out.backward(self.dout)
+        for tensor in (self.q, self.k, self.v, *leaves):
             tensor.grad = None
 
-    def flex(mod: Any, with_options: dict | None = options) -> tuple[Call, Call]:
+    def flex(self, mod: Callable[[], Any], options: dict | None) -> tuple[Call, Call]:
+        q, k, v = self.q, self.k, self.v
+
         def forward() -> Any:
             with torch.no_grad():
-                return flex_run(q, k, v, mod(), options=with_options)
+                return flex_run(q, k, v, mod(), options=options)
 
-        return forward, lambda: backward(flex_run(q, k, v, mod(), options=with_options), *kerple.parameters())
+        return forward, lambda: self.backward(flex_run(q, k, v, mod(), options=options), *self.kerple.parameters())
 
-    def backend(name: str, encoding: Any) -> tuple[Call, Call]:
-        def forward() -> Any:
-            with torch.no_grad():
-                return get_backend(name)(q, k, v, encoding, pos, pos)
+    def backend(self, name: str, encoding: Any) -> tuple[Call, Call]:
+        def run() -> torch.Tensor:
+            return get_backend(name)(self.q, self.k, self.v, encoding, self.pos, self.pos)
 
-        return forward, lambda: backward(get_backend(name)(q, k, v, encoding, pos, pos), *encoding.parameters())
+        return torch.no_grad()(run), lambda: self.backward(run(), *encoding.parameters())
 
-    def identity_pass(index: int) -> Any:  # one derivative form: its extra forward, then the per-head sum
+    def identity_pass(self, index: int) -> Any:
+        """One derivative form: its extra forward, then the per-head sum."""
+        q, k, v, options = self.q, self.k, self.v, self.options
         with torch.no_grad():
-            out, lse = flex_run(q, k, v, table_score_mod(plan.bias), return_lse=True, options=options)
-            shifted = flex_run(q, k, v, table_score_mod(plan.shifted[index]), return_lse=True, options=options)
-            return derivative_sums(lse, dout, row_deltas(out, dout), *shifted)
+            out, lse = flex_run(q, k, v, table_score_mod(self.plan.bias), return_lse=True, options=options)
+            shifted = flex_run(q, k, v, table_score_mod(self.plan.shifted[index]), return_lse=True, options=options)
+            return derivative_sums(lse, self.dout, row_deltas(out, self.dout), *shifted)
 
-    def band_pass() -> Any:
+    def band_pass(self) -> Any:
+        q, k, v, plan = self.q, self.k, self.v, self.t5_plan
         with torch.no_grad():
-            out, lse = flex_run(q, k, v, table_score_mod(t5_plan.bias), return_lse=True, options=kernel_options(t5, q))
-            return diagonal_sums(q, k, v, lse, dout, row_deltas(out, dout), t5_plan.band)
+            out, lse = flex_run(
+                q, k, v, table_score_mod(plan.bias), return_lse=True, options=kernel_options(self.t5, q)
+            )
+            return diagonal_sums(q, k, v, lse, self.dout, row_deltas(out, self.dout), plan.band)
 
-    def fused(deterministic: bool) -> Call:
+    def fused_forward(self) -> Any:
+        from posenc.attention.triton_table import table_attention
+
+        with torch.no_grad():
+            return table_attention(self.q, self.k, self.v, self.table())
+
+    def fused_train(self, deterministic: bool) -> Call:
         def train() -> None:
             from posenc.attention.triton_table import table_attention
 
             previous = torch.are_deterministic_algorithms_enabled()
             torch.use_deterministic_algorithms(deterministic)
             try:
-                backward(table_attention(q, k, v, distance_table(kerple, bias.length))[0], *kerple.parameters())
+                self.backward(table_attention(self.q, self.k, self.v, self.table())[0], *self.kerple.parameters())
             finally:
                 torch.use_deterministic_algorithms(previous)
 
         return train
 
-    def fused_forward() -> Any:
-        from posenc.attention.triton_table import table_attention
-
-        with torch.no_grad():
-            return table_attention(q, k, v, distance_table(kerple, bias.length))
-
-    def flash_forward() -> Any:
+    def flash_forward(self) -> Any:
         with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True)
 
-    def flash_train() -> None:
+    def flash_train(self) -> None:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            backward(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            self.backward(F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=True))
 
-    detached = functools.partial(distance_table, kerple, bias.length, detached=True)
-    constant = flex(lambda: table_score_mod(detached()))
-    captured = flex(lambda: table_score_mod(distance_table(kerple, bias.length)))
-    alibi_table = backend("flex", alibi)
-    alibi_formula = flex(alibi.score_mod, None)  # ALiBi's path before tables: its formula, torch's default tiles
+
+def _items(cfg: DictConfig, device: torch.device) -> list[tuple[str, str, Call | None, Call | None]]:
+    """(name, what it is, forward, forward+backward) of every item, in the order they are timed."""
+    x = _Inputs.make(cfg, device)
+    kerple, t5, alibi = x.kerple, x.t5, x.alibi
     passes = [
         (f"gradient pass {i + 1}", f"Identity 1, {kerple.label}'s form {i + 1}: a forward reading bias + log f",
-            functools.partial(identity_pass, i), None)
-        for i in range(len(plan.shifted))
+            functools.partial(x.identity_pass, i), None)
+        for i in range(len(x.plan.shifted))
     ]  # fmt: skip
-    items = [
-        ("sdpa flash", "SDPA's flash kernel, no bias: every ratio's denominator", flash_forward, flash_train),
-        ("constant bias", f"FlexAttention reading {kerple.label}'s table, detached: q, k, v grads", *constant),
+    return [
+        ("sdpa flash", "SDPA's flash kernel, no bias: every ratio's denominator", x.flash_forward, x.flash_train),
+        ("constant bias", f"FlexAttention reading {kerple.label}'s table, detached: q, k, v grads",
+            *x.flex(lambda: table_score_mod(x.table(detached=True)), x.options)),
         *passes,
-        ("band pass", f"Identity 2, {t5.label}'s band of {t5_plan.band.shape[-1]} distances (with its forward)",
-            band_pass, None),
+        ("band pass", f"Identity 2, {t5.label}'s band of {x.t5_plan.band.shape[-1]} distances (with its forward)",
+            x.band_pass, None),
         (f"flex_learnable {kerple.label}", "the whole backend: constant bias plus the gradient passes",
-            *backend("flex_learnable", kerple)),
+            *x.backend("flex_learnable", kerple)),
         (f"flex_learnable {t5.label}", "the whole backend: constant bias plus the band",
-            *backend("flex_learnable", t5)),
-        ("fused table kernel", "attention=triton: dtable per distance in its backward (atomics)", fused_forward,
-            fused(False)),
+            *x.backend("flex_learnable", t5)),
+        ("fused table kernel", "attention=triton: dtable per distance in its backward (atomics)", x.fused_forward,
+            x.fused_train(False)),
         ("fused, deterministic", "the same, each block of distances written once, summed in order", None,
-            fused(True)),
-        ("captured-buffer gradient", "FlexAttention differentiating the table: an atomic add per score", *captured),
-        (f"{alibi.label}, table", f"flex reading {alibi.label}'s (H, L) table", *alibi_table),
+            x.fused_train(True)),
+        ("captured-buffer gradient", "FlexAttention differentiating the table: an atomic add per score",
+            *x.flex(lambda: table_score_mod(x.table()), x.options)),
+        (f"{alibi.label}, table", f"flex reading {alibi.label}'s (H, L) table", *x.backend("flex", alibi)),
         (f"{alibi.label}, formula", f"flex with {alibi.label}'s own score_mod and torch's tiles (its path before)",
-            *alibi_formula),
+            *x.flex(alibi.score_mod, None)),
     ]  # fmt: skip
-    return items
 
 
 PROFILED = ("flex_learnable", "fused table kernel")  # the items (by prefix) whose fwd+bwd is profiled
