@@ -120,12 +120,6 @@ def metric_series(results: Mapping[str, Any]) -> dict[str, tuple[dict[int, float
     return out
 
 
-def in_length(results: Mapping[str, Any]) -> dict[str, float | None]:
-    """{metric: its figure at the training length} (``None`` where there is none)."""
-    train_len = int(results["train_len"])
-    return {metric: values.get(train_len) for metric, (values, _, _) in metric_series(results).items()}
-
-
 def comparison_thresholds(
     runs: Sequence[Mapping[str, Any]],
     ppl_ratio: float = DEFAULT_PPL_RATIO,
