@@ -138,9 +138,7 @@ def compile_kernel(
     return {
         **row,
         # What Triton specialised on: the arguments it compiled as divisible by 16, and the type it gave ``scale``.
-        "divisible": sorted(
-            names[path[0]] for path, attrs in compiled.src.attrs.items() if ["tt.divisibility", 16] in attrs
-        ),
+        "divisible": sorted(names[path[0]] for path, attrs in compiled.src.attrs.items() if DIVISIBLE in attrs),
         "scale_type": compiled.src.signature["scale"],
         "block_m": planned.constexprs["BLOCK_M"],
         "block_n": planned.constexprs["BLOCK_N"],
