@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from posenc.config import CONF_DIR, encoding_choices
 from posenc.encodings import available
 from posenc.layout import encoding_label
+from posenc.report.studies import STUDIES
 from posenc.runs import read_checkpoint, write_done
 from posenc.runs.loggers import build_loggers
 from posenc.train import train
@@ -391,9 +392,14 @@ def test_the_settings_sensitivity_arm_and_the_tuning_ties_run_on_their_recipes(t
         return {Path(line.split()[1]).name for line in result.stdout.splitlines() if line.startswith("JOB ")}
 
     assert jobs("sensitivity_fire") == {f"fire-th{t}-L64-s{s}" for t in (64, 512) for s in range(5)}
-    # A tied tuning point at two more seeds, as the tuning ran it (its name, its rates), evaluated to 32×.
+    # A tied tuning point at two more seeds, as the tuning ran it (its name, its rates), evaluated to 32×; a recall
+    # grid's tied point as a recall run of its own sweep, at the depth it trained (the lines each study prints).
     tied = ["+encoding=t5", "optim.lr=0.004", "optim.scheme_lr_multiplier=100"]
-    assert jobs("tune_ties", *tied) == {"t5-lr0.004-x100-L64-s11", "t5-lr0.004-x100-L64-s12"}
+    assert jobs(*STUDIES["tuning"].ties.split(), *tied) == {"t5-lr0.004-x100-L64-s11", "t5-lr0.004-x100-L64-s12"}
+    tied = ["+encoding=gemma3", "optim.lr=0.001", "optim.scheme_lr_multiplier=1", "model.depth=6"]
+    assert jobs(*STUDIES["recall-tuning-layouts"].ties.split(), *tied) == {
+        f"gemma3-mqar-lr0.001-x1-L64-s{s}" for s in (11, 12)
+    }
     assert jobs("sensitivity_t5") == {f"t5-b32-d{d}-L64-s{s}" for d in (64, 128) for s in range(5)}
     from omegaconf import OmegaConf
 

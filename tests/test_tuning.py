@@ -58,6 +58,20 @@ def test_the_lowest_in_length_validation_loss_wins_and_ties_go_to_the_smaller_se
     assert "| alibi | 0.004 ×1 | tied | 2× | 1.100 | 1 |" in text  # its test-split run is never read here
 
 
+def test_a_tied_point_is_listed_as_a_run_of_the_grids_own_sweep_with_the_model_it_trained() -> None:
+    # A layout trained at depth 6 beside depth-4 entries: its tie line names the depth; a key only newer records
+    # hold (sink) is no difference of setting, and a key every run shares (dim) is left to the sweep.
+    def run(label: str, lr: float, loss: float, depth: int, **model: object) -> dict:
+        return {**_run(label, lr, 1, loss), "model": {"dim": 64, "depth": depth, **model}}
+
+    results = [run("gemma3", 1e-3, 2.00, 6, sink="none"), run("gemma3", 3e-3, 2.01, 6), run("alibi", 1e-3, 0.1, 4)]
+    text = "\n".join(tuning_section(results, "retrieval_offset_tune_layouts seed=11,12"))
+    assert "`python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune_layouts seed=11,12` and:" in text
+    assert "+encoding=gemma3 optim.lr=0.001 optim.scheme_lr_multiplier=1 model.depth=6  # 1 seed(s)" in text
+    assert "+encoding=gemma3 optim.lr=0.003 optim.scheme_lr_multiplier=1 model.depth=6  # 1 seed(s)" in text
+    assert "model.sink" not in text and "model.dim" not in text and "+encoding=alibi" not in text
+
+
 def test_without_a_replicated_point_the_spread_is_the_comparisons_and_said_so() -> None:
     results = [_run("t5", 1e-3, 1, 2.00), _run("t5", 2e-3, 1, 2.00 + SEED_SPREAD["text"])]
     spread, free, source = seed_spread(results)

@@ -33,7 +33,7 @@ from posenc.report.retrieval import retrieval_tables
 from posenc.report.sensitivity import sensitivity_tables
 from posenc.report.stability import stability_plots, stability_section
 from posenc.report.tasks import task_tables
-from posenc.report.tuning import tuning_section
+from posenc.report.tuning import TIES, tuning_section
 
 Results = list[dict[str, Any]]
 
@@ -88,6 +88,7 @@ def build_report(
     bench: list[dict[str, Any]] | None = None,
     cost_only: bool = False,
     tuning_only: bool = False,
+    ties: str = TIES,
     budgets_only: bool = False,
     stability_only: bool = False,
 ) -> str:
@@ -104,7 +105,8 @@ def build_report(
     ``references`` are the schemes every column is compared with in the section of comparisons fixed in advance.
     ``bench`` (``benchcost.find_bench``) adds the training cost measured side by side and gives the cost chart its
     x; ``cost_only`` keeps only what prices the columns: that table, the protocols side by side and the chart.
-    ``tuning_only``: the tuning grid and the setting selected for each scheme (``posenc/report/tuning.py``), alone;
+    ``tuning_only``: the tuning grid and the setting selected for each scheme (``posenc/report/tuning.py``), alone,
+    its unresolved ties as runs of the sweep ``ties``;
     ``budgets_only``: each scheme's rank at every training budget and whether the ranking holds (``budgets.py``);
     ``stability_only``: each scheme's learning-rate sensitivity, highest stable rate and spikes over a grid of rates,
     its diverged runs counted as diverged (``stability.py``), and the figure of loss against rate.
@@ -119,7 +121,7 @@ def build_report(
     appendix = Appendix()
     sections += cost_section(results, bench) if bench else []
     if tuning_only:
-        sections += tuning_section(results)
+        sections += tuning_section(results, ties)
     elif stability_only:
         sections += stability_section([*results, *failed])
     elif budgets_only:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posenc.report.preset import DEFAULT_REFERENCES
+from posenc.report.tuning import TIES
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class Study:
     inputs: str = "<their sweep or run directories>"  # what the report reads of those runs
     cost_only: bool = False  # the report's cost table, protocols and chart only (``build_report``)
     tuning: bool = False  # the tuning grid alone, and the selection written beside the document (selection.json)
+    ties: str = TIES  # a tuning's sweep (-cn, and its overrides) that runs a tied point at more seeds
     budgets: bool = False  # each scheme's rank at every budget its runs trained for, alone
     stability: bool = False  # learning-rate sensitivity and spikes per scheme over a grid of rates, alone
     references: tuple[str, ...] = DEFAULT_REFERENCES  # the comparisons fixed in advance (``preset.py``)
@@ -78,6 +80,7 @@ STUDIES = {
         "steps (docs/results/tuning.md): KERPLE-log 4e-3 and 8e-3 at ×10, stick-breaking 4e-3 at ×1 and ×10",
         "outputs/sweeps/tune_ties_2400",
         tuning=True,
+        ties="tune_ties trainer.max_steps=2400 sweep_name=tune_ties_2400 seed=13,14",
     ),
     "comparison": Study(
         "A comparison fair by construction: settings scaled to the length, one tuning, the test split",
@@ -170,6 +173,7 @@ STUDIES = {
         "optim.scheme_lr_multiplier=1",
         "outputs/sweeps/mqar_offset_tune",
         tuning=True,
+        ties="retrieval_offset_tune seed=11,12",
     ),
     "recall-offset-tuned": Study(
         "Associative recall at a random offset under the comparison's recipe: tuned on validation, settings scaled",
@@ -189,6 +193,7 @@ STUDIES = {
         "optim.scheme_lr_multiplier=1 model.depth=6",
         "outputs/sweeps/mqar_offset_tune_layouts",
         tuning=True,
+        ties="retrieval_offset_tune_layouts seed=11,12",
     ),
     "recall-layouts": Study(
         "Deployed layouts and the 2025–26 schemes on recall at a random offset (depth 4, tuned on validation)",

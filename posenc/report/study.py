@@ -320,6 +320,7 @@ def write_study(name: str, paths: list[str], out: Path, unreadable: list[str] | 
         bench=bench,
         cost_only=study.cost_only,
         tuning_only=study.tuning,
+        ties=study.ties,
         budgets_only=study.budgets,
         stability_only=study.stability,
         references=study.references,

@@ -28,6 +28,7 @@ is continuous, so a rate that learned the task well is told from one that barely
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -51,6 +52,7 @@ TASK_NOTE = (
 # it, 5 seeds each (docs/results/recall-offset-tuned.md: ALiBi, FIRE, KERPLE-log, T5).
 SEED_SPREAD = {"text": 0.0049, "task": 0.0102}
 TIED_SEEDS = 3  # seeds every tied point needs before a choice among them counts as resolved
+TIES = "tune_ties"  # the sweep (-cn, and its overrides) that runs a tied point at more seeds; a study may name its own
 Z_95 = 1.96
 RULE = (
     "lowest in-length (1×) validation loss, mean over the tuning seeds; points within the tie band of it are tied "
@@ -159,8 +161,12 @@ def write_selection(path: Path, selection: dict[str, dict[str, Any]]) -> None:
     write_text(path, json.dumps({"rule": RULE, "split": "validation", "schemes": selection}, indent=1) + "\n")
 
 
-def tuning_section(results: Sequence[dict[str, Any]]) -> list[str]:
-    """The grid per scheme as in-length validation perplexity, the chosen point marked, and the rule."""
+def tuning_section(results: Sequence[dict[str, Any]], ties: str = TIES) -> list[str]:
+    """The grid per scheme as in-length validation perplexity, the chosen point marked, and the rule.
+
+    ``ties``: the sweep a tied point short of seeds runs under (``-cn`` and its overrides), so that the lines that
+    would resolve a choice train what the grid trained: a recall grid's ties are recall runs, not the text tuning's.
+    """
     selection = select(results)
     if not selection:
         return ["", "## Tuning", "", "No run was evaluated at its training length on the validation split."]
@@ -186,7 +192,7 @@ def tuning_section(results: Sequence[dict[str, Any]]) -> list[str]:
             f"| {label} | {chosen['lr']:g} | {chosen['scheme_lr_multiplier']:g} | {math.exp(chosen['loss']):.3f} "
             f"| {margin} | {tied} | {'yes' if chosen['resolved'] else 'no'} |"
         )
-    lines += _tied_points(results, selection)
+    lines += _tied_points(results, selection, ties)
     for label, chosen in selection.items():
         rates = sorted({point["lr"] for point in chosen["grid"]})
         multipliers = sorted({point["scheme_lr_multiplier"] for point in chosen["grid"]})
@@ -222,7 +228,26 @@ def _longest_ratios(results: Sequence[dict[str, Any]]) -> dict[tuple[str, float,
     return found
 
 
-def _tied_points(results: Sequence[dict[str, Any]], selection: dict[str, dict[str, Any]]) -> list[str]:
+def _model_overrides(results: Sequence[dict[str, Any]], label: str, setting: tuple[float, float]) -> str:
+    """`` model.<key>=<value>`` for each model setting the grid's runs do not share, as this point's runs had it.
+
+    Why: a grid may train an entry at another depth (a layout that cycles six layer kinds at depth 6); its tie line
+    must say so, or the runs that resolve it would train another model under the same name.
+    """
+    models = [run.get("model") or {} for run in results]
+    # A key some records lack (one added to the model since) is no difference of setting: only recorded values count.
+    varying = sorted({key for model in models for key in model if len({repr(m[key]) for m in models if key in m}) > 1})
+    point = (label, *setting)
+    mine = next((m for run, m in zip(results, models, strict=True) if (_label(run), *_setting(run)) == point), {})
+    return "".join(f" model.{key}={_override(mine[key])}" for key in varying if key in mine)
+
+
+def _override(value: Any) -> str:
+    """A value as a Hydra override writes it (``null``, ``true``; numbers and names as they are)."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
+
+
+def _tied_points(results: Sequence[dict[str, Any]], selection: dict[str, dict[str, Any]], ties: str) -> list[str]:
     """Each point's longest-length ratio where it was evaluated there, tied or not, and the runs a choice still needs.
 
     Every point evaluated past the training length is shown, not only those tied now: a tie resolved by more seeds (or
@@ -236,7 +261,7 @@ def _tied_points(results: Sequence[dict[str, Any]], selection: dict[str, dict[st
             if len(tied) > 1 and seeds < TIED_SEEDS:
                 missing.append(
                     f"+encoding={label} optim.lr={setting[0]:g} optim.scheme_lr_multiplier={setting[1]:g}"
-                    f"  # {seeds} seed(s)"
+                    f"{_model_overrides(results, label, setting)}  # {seeds} seed(s)"
                 )
         for (scheme, *setting), (multiple, found) in sorted(ratios.items()):
             if scheme != label:
@@ -261,7 +286,7 @@ def _tied_points(results: Sequence[dict[str, Any]], selection: dict[str, dict[st
         out += [
             "",
             f"Unresolved: tied points with fewer than {TIED_SEEDS} seeds. To resolve them, each with "
-            "`python -m posenc.train -m -cd sweeps -cn tune_ties` and:",
+            f"`python -m posenc.train -m -cd sweeps -cn {ties}` and:",
             "",
             "```bash",
             *missing,
