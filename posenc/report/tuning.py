@@ -28,7 +28,6 @@ is continuous, so a rate that learned the task well is told from one that barely
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections import defaultdict
@@ -39,6 +38,7 @@ from typing import Any
 from posenc.jsonio import write_text
 from posenc.layout import encoding_label
 from posenc.report.retrieval import validation_curve
+from posenc.schema.types import as_override
 
 SELECTION_FILE = "selection.json"
 TASK_NOTE = (
@@ -239,12 +239,7 @@ def _model_overrides(results: Sequence[dict[str, Any]], label: str, setting: tup
     varying = sorted({key for model in models for key in model if len({repr(m[key]) for m in models if key in m}) > 1})
     point = (label, *setting)
     mine = next((m for run, m in zip(results, models, strict=True) if (_label(run), *_setting(run)) == point), {})
-    return "".join(f" model.{key}={_override(mine[key])}" for key in varying if key in mine)
-
-
-def _override(value: Any) -> str:
-    """A value as a Hydra override writes it (``null``, ``true``; numbers and names as they are)."""
-    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
+    return "".join(f" model.{key}={as_override(mine[key])}" for key in varying if key in mine)
 
 
 def _tied_points(results: Sequence[dict[str, Any]], selection: dict[str, dict[str, Any]], ties: str) -> list[str]:
