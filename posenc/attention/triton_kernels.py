@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from posenc.attention.triton_tiles import LOG2E, _add_diagonal_sums, _diagonal_halves, _probs_and_dscores, _scores
+from posenc.attention.triton_tiles import LOG2E, _probs_and_dscores, _scores, _table_grad_tile
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
@@ -184,11 +184,7 @@ def backward_dq_kernel(
     table_row = Table + h * stride_table
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # DETERMINISTIC: this program's row of the buffer, and the lower half of the previous tile's diagonal sums,
-    # which belong to the block of distances the next tile's upper half fills.
-    blocks = tl.num_programs(0)
-    partial_row = (batch_head.to(tl.int64) * blocks + start_m) * blocks * BLOCK_N
-    pending = tl.zeros([BLOCK_N], tl.float32)
+    pending = tl.zeros([BLOCK_N], tl.float32)  # DETERMINISTIC: the previous tile's lower half of diagonal sums
     end = tl.minimum((start_m + 1) * BLOCK_M, length)
     for start_n in range(_first_key_block(start_m, window, LOCAL, BLOCK_M, BLOCK_N), end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -200,17 +196,9 @@ def backward_dq_kernel(
         )
         dq += tl.dot(dscores.to(k.dtype), k, input_precision=PRECISION)
         if BIAS_GRAD:
-            if (
-                DETERMINISTIC
-            ):  # BLOCK_M == BLOCK_N: tile (m, n) holds distances (m − n)·B − (B − 1) .. (m − n)·B + B − 1
-                lower, upper = _diagonal_halves(dscores, BLOCK_N)
-                block = start_m - start_n // BLOCK_N
-                tl.store(DTable + partial_row + block * BLOCK_N + tl.arange(0, BLOCK_N), upper + pending)
-                pending = lower  # the last tile's (block −1: negative distances, masked) is dropped
-            else:
-                _add_diagonal_sums(
-                    DTable + h * length, dscores, start_m * BLOCK_M, start_n, length, BLOCK_M, BLOCK_N, WIDTH
-                )
+            pending = _table_grad_tile(
+                DTable, dscores, pending, h, length, start_n, DETERMINISTIC, BLOCK_M, BLOCK_N, WIDTH
+            )
     tl.store(DQ + d_offsets, (dq * scale).to(DQ.dtype.element_ty), row_ok & dim_ok)
 
 

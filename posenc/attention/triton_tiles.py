@@ -127,3 +127,35 @@ def _diagonal_halves(dscores, BLOCK: tl.constexpr):
     upper = tl.gather(dscores, tl.where(upper_in, upper_col, 0), axis=1)
     lower = tl.gather(dscores, tl.where(lower_in, lower_col, 0), axis=1)
     return tl.sum(tl.where(lower_in, lower, 0.0), axis=0), tl.sum(tl.where(upper_in, upper, 0.0), axis=0)
+
+
+@triton.jit
+def _table_grad_tile(
+    DTable,
+    dscores,
+    pending,
+    h,
+    length,
+    start_n,
+    DETERMINISTIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    """The query block's tile at key ``start_n``: its share of the table's gradient; returns the next ``pending``.
+
+    Atomics add the tile's diagonal sums into row ``h`` of the (H, L) gradient. ``DETERMINISTIC`` (square tiles:
+    tile (m, n) holds distances (m − n)·B − (B − 1) .. (m − n)·B + B − 1) stores the upper half plus ``pending``
+    (the previous tile's lower half, same block of distances) once, in the program's own row of the buffer, so no
+    two programs write one address and the caller's fixed-order sum is reproducible; the lower half is returned.
+    """
+    start_m = tl.program_id(0)
+    if DETERMINISTIC:
+        blocks = tl.num_programs(0)
+        partial_row = (tl.program_id(1).to(tl.int64) * blocks + start_m) * blocks * BLOCK_N
+        lower, upper = _diagonal_halves(dscores, BLOCK_N)
+        block = start_m - start_n // BLOCK_N
+        tl.store(DTable + partial_row + block * BLOCK_N + tl.arange(0, BLOCK_N), upper + pending)
+        return lower  # the last tile's (block −1: negative distances, masked) is dropped
+    _add_diagonal_sums(DTable + h * length, dscores, start_m * BLOCK_M, start_n, length, BLOCK_M, BLOCK_N, WIDTH)
+    return pending
