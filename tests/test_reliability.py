@@ -23,7 +23,16 @@ from posenc.data.cache import tokenized_splits
 from posenc.data.corpora import Corpus
 from posenc.data.tokenizer import ByteTokenizer
 from posenc.report import ReportOnSweepEnd, build_report, find_results
-from posenc.runs import DONE_FILE, FAILED_FILE, RunError, read_checkpoint, wandb_id, write_failed
+from posenc.runs import (
+    CHECKPOINT,
+    DONE_FILE,
+    FAILED_FILE,
+    PREVIOUS_CHECKPOINT,
+    RunError,
+    read_checkpoint,
+    wandb_id,
+    write_failed,
+)
 from posenc.train import train
 from posenc.training.sweep import job_state
 
@@ -182,6 +191,15 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
     assert not (tmp_path / DONE_FILE).exists() and not (tmp_path / "eval").exists()
     assert json.loads((tmp_path / FAILED_FILE).read_text())["step"] == 3
     assert read_checkpoint(tmp_path / "checkpoints" / "last.ckpt")[0] == 2
+
+
+def test_the_last_step_is_saved_when_the_checkpoint_interval_does_not_divide_it(tmp_path: Path) -> None:
+    # Checkpoints every 2 steps of 5: steps 2 and 4 by the interval, and the weights training ended with, which a
+    # re-evaluation or a fine-tune reads; step 4 stays behind them as the fallback of an unreadable last.ckpt.
+    overrides = [*FAST, "trainer.max_steps=5", "checkpoint_every_n_steps=2", "eval.at_end=false"]
+    train(compose_train("+encoding=alibi", *overrides), tmp_path)
+    assert read_checkpoint(tmp_path / CHECKPOINT)[0] == 5
+    assert read_checkpoint(tmp_path / PREVIOUS_CHECKPOINT)[0] == 4
 
 
 def test_a_nan_found_at_a_later_check_is_reported_at_its_step_and_never_checkpointed(

@@ -1,4 +1,4 @@
-"""The training loop's own callbacks: token accounting, and saving at the step where a run is stopped early.
+"""The training loop's own callbacks: token accounting, and saving at the step where a run stops, early or not.
 
 Token accounting also records the conditions a throughput was measured under. Apart from the loop
 (``posenc/training/loop.py``) because each is a piece of state with its own tests: a resumed run's windows, tokens/s
@@ -141,6 +141,28 @@ class TokenAccounting(Callback):
             if self.loop_mark is not None:
                 self.loop_mark = now
             self.paused_at = None
+
+
+class SaveFinal(Callback):
+    """Save ``last.ckpt`` at the end of training when the periodic checkpoints did not land on the last step.
+
+    Why: Lightning's ``every_n_train_steps`` saves at multiples of n, and its end-of-training save is skipped once
+    any checkpoint was written, so a run of 4,500 steps at n = 200 kept step 4,400's weights: a re-evaluation (an
+    inference-time option, another protocol) or a fine-tune from the run would read weights its own end-of-training
+    evaluation never scored, and the run would count as unfinished.
+    """
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.checkpoint = checkpoint
+        self.saved_step: int | None = None  # the step of the latest checkpoint written, by any callback
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.saved_step = trainer.global_step
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's own end-of-training save covers a run that wrote no checkpoint before; two would be one too many.
+        if self.saved_step is not None and self.saved_step != trainer.global_step:
+            trainer.save_checkpoint(self.checkpoint)
 
 
 class SaveOnInterrupt(Callback):

@@ -26,7 +26,7 @@ from posenc.evaluate.drift import PositionalDrift
 from posenc.evaluate.runner import ExtrapolationEval
 from posenc.runs import CHECKPOINT, global_batch, read_checkpoint
 from posenc.runs.checkpoint_io import AtomicCheckpointIO
-from posenc.training.callbacks import SaveOnInterrupt, TokenAccounting
+from posenc.training.callbacks import SaveFinal, SaveOnInterrupt, TokenAccounting
 from posenc.training.console import CountedModelSummary
 from posenc.training.stability import StabilityMonitor
 
@@ -74,7 +74,9 @@ def watchers(
         every_n_train_steps=config["checkpoint_every_n_steps"],
     )
     interrupt = SaveOnInterrupt(run_dir / CHECKPOINT, resume_command or f"resume=last in {run_dir}")
-    watch.callbacks = [checkpoints, watch.accounting, interrupt, watch.drift, watch.stability]
+    # SaveFinal first: SaveOnInterrupt's on_train_end may hand a requeued job over (and exit) before later callbacks.
+    final = SaveFinal(run_dir / CHECKPOINT)
+    watch.callbacks = [checkpoints, final, watch.accounting, interrupt, watch.drift, watch.stability]
     if logged:
         watch.callbacks.append(LearningRateMonitor(logging_interval="step"))
     if trainer_cfg.get("enable_model_summary", True):  # ours in place of Lightning's default (training/console.py)
