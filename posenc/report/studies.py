@@ -200,7 +200,10 @@ STUDIES = {
         "python -m posenc.train -m -cd sweeps -cn retrieval_offset_tune_layouts  # and its two other lines, then the "
         "recall-tuning-layouts study (docs/results/recall-tuning-layouts.md)\n"
         "python -m posenc.train -m -cd sweeps -cn retrieval_offset_layouts  # 10 entries x 5 seeds\n"
-        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_layouts +encoding=gemma3 model.depth=6",
+        "python -m posenc.train -m -cd sweeps -cn retrieval_offset_layouts +encoding=gemma3 model.depth=6\n"
+        "# iRoPE's and SWAN's inference-time scaling, on the same evaluation windows:\n"
+        "for run in outputs/sweeps/mqar_offset_layouts/{irope,swan}-*; do s=$(case $run in *irope*) echo llama4;; "
+        "*) echo log_n;; esac); python -m posenc.evaluate $run eval.attention_scale=$s; done",
         "outputs/sweeps/mqar_offset_layouts",
     ),
     "ruler-tasks": Study(
