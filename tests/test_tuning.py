@@ -26,22 +26,25 @@ def _run(label: str, lr: float, multiplier: float, loss: float, seed: int = 10, 
 
 
 def test_the_lowest_in_length_validation_loss_wins_and_ties_go_to_the_smaller_settings() -> None:
-    # One replicated point (alibi 2e-3: 1.70, 1.74) measures the seeds' spread: σ = 0.0283 nats, so two single-seed
-    # points tie within 1.96 σ √2 = 0.078 and a single-seed point ties a two-seed one within 1.96 σ √1.5 = 0.068.
+    # One replicated point (alibi 2e-3: 1.70, 1.74, 1 df) pooled with the comparison's 32 df of σ = 0.0049:
+    # σ = √((32 · 0.0049² + 0.0008) / 33) = 0.0068 nats, t(33) = 2.035, so two single-seed points tie within 0.0195
+    # and a single-seed point ties a two-seed one within 0.0169.
     results = [
         _run("t5", 1e-3, 1, 2.00),
-        _run("t5", 2e-3, 1, 1.95),  # within 0.078 of the best: tied, and the smaller multiplier wins
+        _run("t5", 2e-3, 1, 1.91),  # within 0.0195 of the best: tied, and the smaller multiplier wins
         _run("t5", 2e-3, 10, 1.90),
-        _run("t5", 4e-3, 100, 1.99),  # outside: not tied
-        _run("alibi", 1e-3, 1, 1.80),  # 0.09 above the best: outside its band of 0.078
+        _run("t5", 4e-3, 100, 1.93),  # outside: not tied
+        _run("alibi", 1e-3, 1, 1.73),  # 0.02 above the best: outside its band of 0.0195
         _run("alibi", 2e-3, 1, 1.70),
         _run("alibi", 2e-3, 1, 1.74, seed=11),  # seeds are averaged: 1.72, tied with 1.71; the smaller rate wins
         _run("alibi", 4e-3, 1, 1.71),
         _run("alibi", 4e-3, 1, 0.5, split="test"),  # never selected on the reported split
     ]
     spread, free, source = seed_spread(results)
-    assert spread == pytest.approx(0.04 / math.sqrt(2)) and free == 1 and "pooled over this grid" in source
-    assert band(spread, 1, 1) == pytest.approx(1.96 * 0.04) and band(spread, 3, 3) < band(spread, 1, 1)
+    assert spread == pytest.approx(math.sqrt((32 * 0.0049**2 + 0.04**2 / 2) / 33)) and free == 33
+    assert "comparison's five seeds (32 df) and this grid's points of several seeds (1 df)" in source
+    assert band(spread, free, 1, 1) == pytest.approx(2.0345 * spread * math.sqrt(2), rel=1e-4)
+    assert band(spread, free, 3, 3) < band(spread, free, 1, 1) < band(spread, 1, 1, 1)  # fewer df, a wider band
     chosen = select(results)
     assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (2e-3, 1)
     assert [(t["lr"], t["scheme_lr_multiplier"]) for t in chosen["t5"]["tied"]] == [(2e-3, 1), (2e-3, 10)]
@@ -73,13 +76,29 @@ def test_a_tied_point_is_listed_as_a_run_of_the_grids_own_sweep_with_the_model_i
 
 
 def test_without_a_replicated_point_the_spread_is_the_comparisons_and_said_so() -> None:
-    results = [_run("t5", 1e-3, 1, 2.00), _run("t5", 2e-3, 1, 2.00 + SEED_SPREAD["text"])]
+    results = [_run("t5", 1e-3, 1, 2.00), _run("t5", 2e-3, 1, 2.00 + SEED_SPREAD["text"][0])]
     spread, free, source = seed_spread(results)
-    assert (spread, free) == (SEED_SPREAD["text"], 0) and "comparison's five seeds" in source
+    assert (spread, free) == SEED_SPREAD["text"] and "comparison's five seeds (32 df) and no point" in source
     chosen = select(results)["t5"]
     assert len(chosen["tied"]) == 2 and chosen["lr"] == 1e-3 and not chosen["resolved"]
     resolved = select([*results, *(_run("t5", lr, 1, 2.0, seed=s) for lr in (1e-3, 2e-3) for s in (11, 12))])
     assert resolved["t5"]["resolved"]
+
+
+def test_replicates_at_a_learned_tasks_floor_do_not_collapse_the_band(tmp_path) -> None:
+    # Two seeds of a lookup learned (loss 1e-4 apart) beside single-seed points 0.00035 and 0.2 nats above: the
+    # reference's 16 df hold the band near its measured spread (0.026), so the near-equal points stay tied; the
+    # grid's 1 df alone (σ 7e-5, band 1.7e-4 at z) would have split them.
+    results = [
+        _task_run(tmp_path, "cable", 1e-3, 1, [2.0, 0.0001]),
+        {**_task_run(tmp_path / "s11", "cable", 1e-3, 1, [2.0, 0.0002]), "seed": 11},
+        _task_run(tmp_path, "cable", 3e-3, 1, [2.0, 0.0005]),
+        _task_run(tmp_path, "cable", 1e-2, 1, [2.0, 0.2]),
+    ]
+    spread, free, _ = seed_spread(results)
+    assert free == 17 and spread == pytest.approx(0.0102 * math.sqrt(16 / 17), rel=1e-3)
+    chosen = select(results)["cable"]
+    assert [(t["lr"], t["seeds"]) for t in chosen["tied"]] == [(1e-3, 2), (3e-3, 1)] and not chosen["resolved"]
 
 
 def test_a_run_takes_its_schemes_tuned_rates_and_an_untuned_scheme_is_refused(tmp_path) -> None:
@@ -131,14 +150,14 @@ def test_a_task_is_selected_on_its_last_validation_loss_not_its_best_or_its_eval
     results = [
         _task_run(tmp_path, "t5", 1e-3, 1, [2.0, 0.05, 0.9]),  # best early, last high: not selected
         _task_run(tmp_path, "t5", 3e-3, 1, [2.0, 0.40, 0.30]),
-        _task_run(tmp_path, "t5", 3e-3, 10, [2.0, 0.30, 0.30 - SEED_SPREAD["task"]]),  # tied: the smaller multiplier
+        _task_run(tmp_path, "t5", 3e-3, 10, [2.0, 0.30, 0.30 - SEED_SPREAD["task"][0]]),  # tied: the smaller multiplier
         _task_run(tmp_path, "t5", 1e-2, 100, [2.0, 1.00, 0.20]),  # the lowest last loss
         _task_run(tmp_path, "alibi", 1e-3, 1, [2.0, 1.0, 1.5]),
         _task_run(tmp_path, "alibi", 1e-2, 1, [2.0, 1.0, 1.2]),
     ]
     chosen = select(results)
     assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (1e-2, 100)
-    assert chosen["t5"]["margin_to_next"] == pytest.approx(0.1 - SEED_SPREAD["task"])
+    assert chosen["t5"]["margin_to_next"] == pytest.approx(0.1 - SEED_SPREAD["task"][0])
     assert (chosen["alibi"]["lr"], chosen["alibi"]["scheme_lr_multiplier"]) == (1e-2, 1)
     results[3] = _task_run(tmp_path / "other", "t5", 1e-2, 100, [2.0, 1.0, 0.30])  # now tied with x1 and x10 at 3e-3
     chosen = select(results)

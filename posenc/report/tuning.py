@@ -10,14 +10,17 @@ setting from that file (``optim.tuned``, ``posenc.runs.apply_tuning``) and repor
 The rule: the grid point with the lowest in-length validation loss (mean over its seeds); a point whose mean is within
 the tie band of the lowest counts as tied, and a tie goes to the smaller scheme multiplier, then the smaller learning
 rate (the cheaper, more conservative setting). Selecting on in-length loss keeps the question a study asks, how the
-scheme extrapolates, out of the choice. The tie band is what the seeds cannot tell apart: 1.96 σ √(1/n_a + 1/n_b) for
-two points of n_a and n_b seeds, σ the seed-to-seed standard deviation of in-length loss pooled over the grid points
-that have several seeds (a fixed width measured nothing). Where no point has two seeds yet, σ is the one measured over
-a study's five seeds (``SEED_SPREAD``: the comparison's for text, the tuned recall study's for a task), and the table
-says so. A choice resolves when every tied point has
-``TIED_SEEDS`` seeds; until then the section lists the runs that would resolve it, and it shows each tied point's
-longest-length ratio wherever its runs were evaluated there, so that a reader sees whether the choice decides a
-verdict.
+scheme extrapolates, out of the choice. The tie band is what the seeds cannot tell apart: t σ √(1/n_a + 1/n_b) for
+two points of n_a and n_b seeds, σ the seed-to-seed standard deviation of in-length loss and t Student's 97.5%
+quantile at σ's degrees of freedom (a fixed width measured nothing). σ pools the grid's points that have several seeds
+with a reference study's seeds (``SEED_SPREAD``: the comparison's for text, the tuned recall study's for a task).
+Why both: a grid's replicates are few, and a task's sit where its loss is at the floor (a lookup learned, 1e-4 nats
+apart from seed to seed), so a σ of the grid's alone, 1 df at such a point, once made every tie of a recall grid a
+choice between 0.0002-nat differences; the reference's seeds, where the schemes had learned the same task, hold the
+band to the seed noise that was measured. The table says which σ it is and its df. A choice resolves when every tied
+point has ``TIED_SEEDS`` seeds; until then the section lists the runs that would resolve it, and it shows each tied
+point's longest-length ratio wherever its runs were evaluated there, so that a reader sees whether the choice decides
+a verdict.
 
 A text run's in-length validation loss is its evaluation at 1× on the validation split. A task run (recall, trained
 on one generator) has no split of documents: its validation set is the held-out windows of the training format that
@@ -35,6 +38,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from scipy import stats
+
 from posenc.jsonio import write_text
 from posenc.layout import encoding_label
 from posenc.report.retrieval import validation_curve
@@ -46,17 +51,17 @@ TASK_NOTE = (
     "(the validation set training scores, another seed stream than the evaluation windows): a perplexity near 1 is "
     "a lookup learned."
 )
-# nats: the seed-to-seed standard deviation of the selection's loss, used only where a grid has no point of several
-# seeds: for text, in-length loss pooled over the comparison's eight schemes × 5 seeds (docs/results/comparison.md,
-# test split at 1×); for a task, the final validation loss pooled over the tuned recall study's schemes that learned
-# it, 5 seeds each (docs/results/recall-offset-tuned.md: ALiBi, FIRE, KERPLE-log, T5).
-SEED_SPREAD = {"text": 0.0049, "task": 0.0102}
+# (nats, df): the seed-to-seed standard deviation of the selection's loss in a reference study, pooled with a grid's
+# replicates: for text, in-length loss over the comparison's eight schemes × 5 seeds (docs/results/comparison.md, test
+# split at 1×; 8 × 4 df); for a task, the final validation loss over the tuned recall study's schemes that learned it,
+# 5 seeds each (docs/results/recall-offset-tuned.md: ALiBi, FIRE, KERPLE-log, T5; 4 × 4 df).
+SEED_SPREAD = {"text": (0.0049, 32), "task": (0.0102, 16)}
 TIED_SEEDS = 3  # seeds every tied point needs before a choice among them counts as resolved
 TIES = "tune_ties"  # the sweep (-cn, and its overrides) that runs a tied point at more seeds; a study may name its own
-Z_95 = 1.96
 RULE = (
     "lowest in-length (1×) validation loss, mean over the tuning seeds; points within the tie band of it are tied "
-    "(1.96 σ √(1/n_a + 1/n_b), σ the seed-to-seed spread of in-length loss), and a tie goes to the smaller scheme "
+    "(t σ √(1/n_a + 1/n_b), σ the seed-to-seed spread of in-length loss pooled over the grid's replicated points and "
+    "a reference study's seeds, t Student's 97.5% quantile at its df), and a tie goes to the smaller scheme "
     "multiplier, then the smaller learning rate"
 )
 
@@ -103,38 +108,37 @@ def grid(results: Sequence[dict[str, Any]]) -> dict[str, dict[tuple[float, float
 
 
 def seed_spread(results: Sequence[dict[str, Any]]) -> tuple[float, int, str]:
-    """(σ, its degrees of freedom, where it comes from).
-
-    Pooled over the grid points with several seeds, else the spread measured over a study's seeds (``SEED_SPREAD``).
-    """
-    squares, free = 0.0, 0
+    """(σ, its degrees of freedom, where it comes from): the grid's replicated points pooled with the reference's."""
+    reference = "task" if any(run.get("trained_task") for run in results) else "text"
+    spread, free = SEED_SPREAD[reference]
+    squares = spread**2 * free
+    whose = "the tuned recall study's five seeds" if reference == "task" else "the comparison's five seeds"
+    replicated = 0
     for by_setting in grid(results).values():
         for losses in by_setting.values():
             if len(losses) > 1:
                 squares += statistics.variance(losses) * (len(losses) - 1)
-                free += len(losses) - 1
-    if free:
-        return math.sqrt(squares / free), free, f"pooled over this grid's points of several seeds ({free} df)"
-    if any(run.get("trained_task") for run in results):
-        return SEED_SPREAD["task"], 0, "measured over the tuned recall study's five seeds (no point here has several)"
-    return SEED_SPREAD["text"], 0, "measured over the comparison's five seeds (no point of this grid has several)"
+                replicated += len(losses) - 1
+    grid_part = f"this grid's points of several seeds ({replicated} df)" if replicated else "no point of this grid"
+    source = f"pooled over {whose} ({free} df) and {grid_part}"
+    return math.sqrt(squares / (free + replicated)), free + replicated, source
 
 
-def band(spread: float, seeds_a: int, seeds_b: int) -> float:
-    """The tie band of two points: what their seeds cannot tell apart at 95%."""
-    return Z_95 * spread * math.sqrt(1 / seeds_a + 1 / seeds_b)
+def band(spread: float, free: int, seeds_a: int, seeds_b: int) -> float:
+    """The tie band of two points: what their seeds cannot tell apart at 95%, σ estimated on ``free`` df."""
+    return float(stats.t.ppf(0.975, free)) * spread * math.sqrt(1 / seeds_a + 1 / seeds_b)
 
 
 def select(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """{scheme label: the chosen setting, its loss, the runner-up's margin, the tied points, the grid} by ``RULE``."""
-    spread, _, _ = seed_spread(results)
+    spread, free, _ = seed_spread(results)
     chosen = {}
     for label, by_setting in sorted(grid(results).items()):
         means = {setting: statistics.fmean(losses) for setting, losses in by_setting.items()}
         lowest = min(means, key=means.__getitem__)
         tied = [
             setting for setting, loss in means.items()
-            if loss <= means[lowest] + band(spread, len(by_setting[setting]), len(by_setting[lowest]))
+            if loss <= means[lowest] + band(spread, free, len(by_setting[setting]), len(by_setting[lowest]))
         ]  # fmt: skip
         lr, multiplier = min(tied, key=lambda setting: (setting[1], setting[0]))
         others = sorted(loss for setting, loss in means.items() if setting != (lr, multiplier))
@@ -170,13 +174,14 @@ def tuning_section(results: Sequence[dict[str, Any]], ties: str = TIES) -> list[
     selection = select(results)
     if not selection:
         return ["", "## Tuning", "", "No run was evaluated at its training length on the validation split."]
-    spread, _, source = seed_spread(results)
+    spread, free, source = seed_spread(results)
     lines = [
         "",
         "## Tuning: one grid for every scheme, selected on validation",
         "",
         f"Selection rule: {RULE}. σ = {spread:.4f} nats, {source}: two points of one seed each tie within "
-        f"{band(spread, 1, 1):.4f} nats, of {TIED_SEEDS} seeds each within {band(spread, TIED_SEEDS, TIED_SEEDS):.4f}. "
+        f"{band(spread, free, 1, 1):.4f} nats, of {TIED_SEEDS} seeds each within "
+        f"{band(spread, free, TIED_SEEDS, TIED_SEEDS):.4f}. "
         f"A choice is resolved when every tied point has {TIED_SEEDS} seeds. Cells: in-length validation perplexity "
         "(mean over seeds, n beside a cell of more than one); ◆ the selected point. A scheme without parameters has "
         "one multiplier." + (TASK_NOTE if any(run.get("trained_task") for run in results) else ""),
