@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from helpers import compose_train
 
@@ -166,3 +167,16 @@ def test_a_task_is_selected_on_its_last_validation_loss_not_its_best_or_its_eval
     assert select([without_record]) == {}  # no curve, no figure: never selected on a guess
     assert "answers' on the held-out windows" in "\n".join(tuning_section(results))
     assert "answers'" not in "\n".join(tuning_section([_run("t5", 1e-3, 1, 2.0)]))
+
+
+def test_two_equal_points_tie_95_percent_of_the_time_whatever_the_df() -> None:
+    # Simulated: two single-seed points of one true loss, σ estimated on `free` df. The t band ties them in 95% of
+    # trials at 2 df as at 30; 1.96 in its place ties them in about 82% at 2 df: a choice made on noise.
+    rng = np.random.default_rng(0)
+    trials = 20_000
+    for free in (2, 30):
+        gaps = np.abs(rng.normal(size=trials) - rng.normal(size=trials))
+        spreads = np.sqrt(rng.chisquare(free, size=trials) / free)
+        assert np.mean(gaps <= band(1.0, free, 1, 1) * spreads) == pytest.approx(0.95, abs=0.01)
+        if free == 2:
+            assert np.mean(gaps <= 1.96 * math.sqrt(2) * spreads) == pytest.approx(0.82, abs=0.02)
