@@ -15,7 +15,7 @@ two points of n_a and n_b seeds, σ the seed-to-seed standard deviation of in-le
 quantile at σ's degrees of freedom (a fixed width measured nothing). σ pools the grid's points that have several seeds
 with a reference study's seeds (``SEED_SPREAD``: the comparison's for text, the tuned recall study's for a task).
 Why both: a grid's replicates are few, and a task's sit where its loss is at the floor (a lookup learned, 1e-4 nats
-apart from seed to seed), so a σ of the grid's alone, 1 df at such a point, once made every tie of a recall grid a
+apart from seed to seed), so a σ of the grid's alone, 1 df at such a point, would make every tie of a recall grid a
 choice between 0.0002-nat differences; the reference's seeds, where the schemes had learned the same task, hold the
 band to the seed noise that was measured. The table says which σ it is and its df. A choice resolves when every tied
 point has ``TIED_SEEDS`` seeds; until then the section lists the runs that would resolve it, and it shows each tied
