@@ -9,7 +9,7 @@ import pytest
 from helpers import compose_train
 
 from posenc.config import to_container
-from posenc.report.tuning import SEED_SPREAD, band, seed_spread, select, tuning_section, write_selection
+from posenc.report.tuning import SEED_SPREAD, band, grid, seed_spread, select, tuning_section, write_selection
 from posenc.runs import RunError, apply_tuning
 
 
@@ -27,12 +27,12 @@ def _run(label: str, lr: float, multiplier: float, loss: float, seed: int = 10, 
 
 
 def test_the_lowest_in_length_validation_loss_wins_and_ties_go_to_the_smaller_settings() -> None:
-    # One replicated point (alibi 2e-3: 1.70, 1.74, 1 df) pooled with the comparison's 32 df of σ = 0.0049:
-    # σ = √((32 · 0.0049² + 0.0008) / 33) = 0.0068 nats, t(33) = 2.035, so two single-seed points tie within 0.0195
-    # and a single-seed point ties a two-seed one within 0.0169.
+    # ALiBi's replicated point (2e-3: 1.70, 1.74, 1 df) pooled with the comparison's 32 df of σ = 0.0049: its
+    # σ = √((32 · 0.0049² + 0.0008) / 33) = 0.0068 nats, t(33) = 2.035, so two of its single-seed points tie within
+    # 0.0195 and a single-seed point ties a two-seed one within 0.0169. T5 has no replicate: the comparison's σ, 0.0141.
     results = [
         _run("t5", 1e-3, 1, 2.00),
-        _run("t5", 2e-3, 1, 1.91),  # within 0.0195 of the best: tied, and the smaller multiplier wins
+        _run("t5", 2e-3, 1, 1.91),  # within 0.0141 of the best: tied, and the smaller multiplier wins
         _run("t5", 2e-3, 10, 1.90),
         _run("t5", 4e-3, 100, 1.93),  # outside: not tied
         _run("alibi", 1e-3, 1, 1.73),  # 0.02 above the best: outside its band of 0.0195
@@ -41,12 +41,12 @@ def test_the_lowest_in_length_validation_loss_wins_and_ties_go_to_the_smaller_se
         _run("alibi", 4e-3, 1, 1.71),
         _run("alibi", 4e-3, 1, 0.5, split="test"),  # never selected on the reported split
     ]
-    spread, free, source = seed_spread(results)
+    chosen = select(results)
+    spread, free = chosen["alibi"]["spread"], chosen["alibi"]["df"]
     assert spread == pytest.approx(math.sqrt((32 * 0.0049**2 + 0.04**2 / 2) / 33)) and free == 33
-    assert "comparison's five seeds (32 df) and this grid's points of several seeds (1 df)" in source
+    assert (chosen["t5"]["spread"], chosen["t5"]["df"]) == SEED_SPREAD["text"]  # ALiBi's replicate is not T5's
     assert band(spread, free, 1, 1) == pytest.approx(2.0345 * spread * math.sqrt(2), rel=1e-4)
     assert band(spread, free, 3, 3) < band(spread, free, 1, 1) < band(spread, 1, 1, 1)  # fewer df, a wider band
-    chosen = select(results)
     assert (chosen["t5"]["lr"], chosen["t5"]["scheme_lr_multiplier"]) == (2e-3, 1)
     assert [(t["lr"], t["scheme_lr_multiplier"]) for t in chosen["t5"]["tied"]] == [(2e-3, 1), (2e-3, 10)]
     assert (chosen["alibi"]["lr"], chosen["alibi"]["scheme_lr_multiplier"]) == (2e-3, 1)
@@ -78,9 +78,9 @@ def test_a_tied_point_is_listed_as_a_run_of_the_grids_own_sweep_with_the_model_i
 
 def test_without_a_replicated_point_the_spread_is_the_comparisons_and_said_so() -> None:
     results = [_run("t5", 1e-3, 1, 2.00), _run("t5", 2e-3, 1, 2.00 + SEED_SPREAD["text"][0])]
-    spread, free, source = seed_spread(results)
-    assert (spread, free) == SEED_SPREAD["text"] and "comparison's five seeds (32 df) and no point" in source
     chosen = select(results)["t5"]
+    assert (chosen["spread"], chosen["df"]) == SEED_SPREAD["text"]
+    assert "the reference is the comparison's five seeds (σ = 0.0049 nats, 32 df)" in "\n".join(tuning_section(results))
     assert len(chosen["tied"]) == 2 and chosen["lr"] == 1e-3 and not chosen["resolved"]
     resolved = select([*results, *(_run("t5", lr, 1, 2.0, seed=s) for lr in (1e-3, 2e-3) for s in (11, 12))])
     assert resolved["t5"]["resolved"]
@@ -95,9 +95,13 @@ def test_replicates_at_a_learned_tasks_floor_do_not_collapse_the_band(tmp_path) 
         {**_task_run(tmp_path / "s11", "cable", 1e-3, 1, [2.0, 0.0002]), "seed": 11},
         _task_run(tmp_path, "cable", 3e-3, 1, [2.0, 0.0005]),
         _task_run(tmp_path, "cable", 1e-2, 1, [2.0, 0.2]),
+        # Another scheme learning at one seed and not at another: its spread is its own, not CABLE's.
+        _task_run(tmp_path, "fope", 1e-3, 1, [2.0, 0.4]),
+        {**_task_run(tmp_path / "s11", "fope", 1e-3, 1, [2.0, 3.1]), "seed": 11},
     ]
-    spread, free, _ = seed_spread(results)
+    spread, free = seed_spread(grid(results)["cable"], "task")
     assert free == 17 and spread == pytest.approx(0.0102 * math.sqrt(16 / 17), rel=1e-3)
+    assert select(results)["fope"]["spread"] > 0.4
     chosen = select(results)["cable"]
     assert [(t["lr"], t["seeds"]) for t in chosen["tied"]] == [(1e-3, 2), (3e-3, 1)] and not chosen["resolved"]
 

@@ -12,12 +12,13 @@ the tie band of the lowest counts as tied, and a tie goes to the smaller scheme 
 rate (the cheaper, more conservative setting). Selecting on in-length loss keeps the question a study asks, how the
 scheme extrapolates, out of the choice. The tie band is what the seeds cannot tell apart: t σ √(1/n_a + 1/n_b) for
 two points of n_a and n_b seeds, σ the seed-to-seed standard deviation of in-length loss and t Student's 97.5%
-quantile at σ's degrees of freedom (a fixed width measured nothing). σ pools the grid's points that have several seeds
-with a reference study's seeds (``SEED_SPREAD``: the comparison's for text, the tuned recall study's for a task).
-Why both: a grid's replicates are few, and a task's sit where its loss is at the floor (a lookup learned, 1e-4 nats
-apart from seed to seed), so a σ of the grid's alone, 1 df at such a point, would make every tie of a recall grid a
-choice between 0.0002-nat differences; the reference's seeds, where the schemes had learned the same task, hold the
-band to the seed noise that was measured. The table says which σ it is and its df. A choice resolves when every tied
+quantile at σ's degrees of freedom (a fixed width measured nothing). σ is each scheme's own: its points that have
+several seeds pooled with a reference study's seeds (``SEED_SPREAD``: the comparison's for text, the tuned recall
+study's for a task). Why the reference: a grid's replicates are few, and a task's sit where its loss is at the floor
+(a lookup learned, 1e-4 nats apart from seed to seed), so 1 df of the grid's alone would make a tie a choice between
+0.0002-nat differences. Why each scheme's: on a task a scheme may learn at one seed and not at another (FoPE: 0.4
+and 3.1 nats at one point), and that spread is its own; pooled across schemes it would widen every other scheme's
+band tenfold. The table gives each scheme's σ and its df. A choice resolves when every tied
 point has ``TIED_SEEDS`` seeds; until then the section lists the runs that would resolve it, and it shows each tied
 point's longest-length ratio wherever its runs were evaluated there, so that a reader sees whether the choice decides
 a verdict.
@@ -60,7 +61,7 @@ TIED_SEEDS = 3  # seeds every tied point needs before a choice among them counts
 TIES = "tune_ties"  # the sweep (-cn, and its overrides) that runs a tied point at more seeds; a study may name its own
 RULE = (
     "lowest in-length (1×) validation loss, mean over the tuning seeds; points within the tie band of it are tied "
-    "(t σ √(1/n_a + 1/n_b), σ the seed-to-seed spread of in-length loss pooled over the grid's replicated points and "
+    "(t σ √(1/n_a + 1/n_b), σ the scheme's seed-to-seed spread of in-length loss, its replicated points pooled with "
     "a reference study's seeds, t Student's 97.5% quantile at its df), and a tie goes to the smaller scheme "
     "multiplier, then the smaller learning rate"
 )
@@ -107,21 +108,20 @@ def grid(results: Sequence[dict[str, Any]]) -> dict[str, dict[tuple[float, float
     return {label: dict(by_setting) for label, by_setting in points.items()}
 
 
-def seed_spread(results: Sequence[dict[str, Any]]) -> tuple[float, int, str]:
-    """(σ, its degrees of freedom, where it comes from): the grid's replicated points pooled with the reference's."""
-    reference = "task" if any(run.get("trained_task") for run in results) else "text"
-    spread, free = SEED_SPREAD[reference]
+def reference(results: Sequence[dict[str, Any]]) -> str:
+    """Whose seeds a grid's σ is pooled with: the tuned recall study's for a task grid, else the comparison's."""
+    return "task" if any(run.get("trained_task") for run in results) else "text"
+
+
+def seed_spread(by_setting: dict[tuple[float, float], list[float]], kind: str) -> tuple[float, int]:
+    """(σ, its degrees of freedom): one scheme's replicated points pooled with the reference study's seeds."""
+    spread, free = SEED_SPREAD[kind]
     squares = spread**2 * free
-    whose = "the tuned recall study's five seeds" if reference == "task" else "the comparison's five seeds"
-    replicated = 0
-    for by_setting in grid(results).values():
-        for losses in by_setting.values():
-            if len(losses) > 1:
-                squares += statistics.variance(losses) * (len(losses) - 1)
-                replicated += len(losses) - 1
-    grid_part = f"this grid's points of several seeds ({replicated} df)" if replicated else "no point of this grid"
-    source = f"pooled over {whose} ({free} df) and {grid_part}"
-    return math.sqrt(squares / (free + replicated)), free + replicated, source
+    for losses in by_setting.values():
+        if len(losses) > 1:
+            squares += statistics.variance(losses) * (len(losses) - 1)
+            free += len(losses) - 1
+    return math.sqrt(squares / free), free
 
 
 def band(spread: float, free: int, seeds_a: int, seeds_b: int) -> float:
@@ -131,9 +131,9 @@ def band(spread: float, free: int, seeds_a: int, seeds_b: int) -> float:
 
 def select(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """{scheme label: the chosen setting, its loss, the runner-up's margin, the tied points, the grid} by ``RULE``."""
-    spread, free, _ = seed_spread(results)
-    chosen = {}
+    kind, chosen = reference(results), {}
     for label, by_setting in sorted(grid(results).items()):
+        spread, free = seed_spread(by_setting, kind)
         means = {setting: statistics.fmean(losses) for setting, losses in by_setting.items()}
         lowest = min(means, key=means.__getitem__)
         tied = [
@@ -148,6 +148,8 @@ def select(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "loss": means[(lr, multiplier)],
             "margin_to_next": (others[0] - means[(lr, multiplier)]) if others else None,
             "seeds": len(by_setting[(lr, multiplier)]),
+            "spread": spread,
+            "df": free,
             "tied": [{"lr": t[0], "scheme_lr_multiplier": t[1], "seeds": len(by_setting[t])} for t in sorted(tied)],
             "resolved": all(len(by_setting[t]) >= TIED_SEEDS for t in tied) or len(tied) == 1,
             "grid": [
@@ -174,28 +176,30 @@ def tuning_section(results: Sequence[dict[str, Any]], ties: str = TIES) -> list[
     selection = select(results)
     if not selection:
         return ["", "## Tuning", "", "No run was evaluated at its training length on the validation split."]
-    spread, free, source = seed_spread(results)
+    spread, free = SEED_SPREAD[reference(results)]
+    whose = "the tuned recall study's five seeds" if reference(results) == "task" else "the comparison's five seeds"
     lines = [
         "",
         "## Tuning: one grid for every scheme, selected on validation",
         "",
-        f"Selection rule: {RULE}. σ = {spread:.4f} nats, {source}: two points of one seed each tie within "
-        f"{band(spread, free, 1, 1):.4f} nats, of {TIED_SEEDS} seeds each within "
-        f"{band(spread, free, TIED_SEEDS, TIED_SEEDS):.4f}. "
+        f"Selection rule: {RULE}. σ: the reference is {whose} (σ = {spread:.4f} nats, {free} df), pooled with each "
+        "scheme's points of several seeds; the table gives each scheme's σ, its df and the width within which two of "
+        f"its points of one seed each tie (of {TIED_SEEDS} seeds each: {math.sqrt(1 / TIED_SEEDS):.2f} of it). "
         f"A choice is resolved when every tied point has {TIED_SEEDS} seeds. Cells: in-length validation perplexity "
         "(mean over seeds, n beside a cell of more than one); ◆ the selected point. A scheme without parameters has "
-        "one multiplier." + (TASK_NOTE if any(run.get("trained_task") for run in results) else ""),
+        "one multiplier." + (TASK_NOTE if reference(results) == "task" else ""),
         "",
         "| scheme | selected lr | selected multiplier | in-length val. ppl | margin to the next point (nats) "
-        "| tied points (seeds) | resolved |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "| σ (df) | tie width, one seed each | tied points (seeds) | resolved |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for label, chosen in selection.items():
         margin = "—" if chosen["margin_to_next"] is None else f"{chosen['margin_to_next']:.4f}"
         tied = ", ".join(f"{t['lr']:g} ×{t['scheme_lr_multiplier']:g} ({t['seeds']})" for t in chosen["tied"])
         lines.append(
             f"| {label} | {chosen['lr']:g} | {chosen['scheme_lr_multiplier']:g} | {math.exp(chosen['loss']):.3f} "
-            f"| {margin} | {tied} | {'yes' if chosen['resolved'] else 'no'} |"
+            f"| {margin} | {chosen['spread']:.4f} ({chosen['df']}) | {band(chosen['spread'], chosen['df'], 1, 1):.4f} "
+            f"| {tied} | {'yes' if chosen['resolved'] else 'no'} |"
         )
     lines += _tied_points(results, selection, ties)
     for label, chosen in selection.items():
