@@ -18,10 +18,10 @@ study's for a task). Why the reference: a grid's replicates are few, and a task'
 (a lookup learned, 1e-4 nats apart from seed to seed), so 1 df of the grid's alone would make a tie a choice between
 0.0002-nat differences. Why each scheme's: on a task a scheme may learn at one seed and not at another (FoPE: 0.4
 and 3.1 nats at one point), and that spread is its own; pooled across schemes it would widen every other scheme's
-band tenfold. The table gives each scheme's σ and its df. A choice resolves when every tied
-point has ``TIED_SEEDS`` seeds; until then the section lists the runs that would resolve it, and it shows each tied
-point's longest-length ratio wherever its runs were evaluated there, so that a reader sees whether the choice decides
-a verdict.
+band about forty-fold (σ 0.40 nats against 0.0102). The table gives each scheme's σ and its df. A choice resolves
+when every tied point has ``TIED_SEEDS`` seeds; until then the section lists the runs that would resolve it, and it
+shows each tied point's longest-length ratio wherever its runs were evaluated there, so that a reader sees whether
+the choice decides a verdict.
 
 A text run's in-length validation loss is its evaluation at 1× on the validation split. A task run (recall, trained
 on one generator) has no split of documents: its validation set is the held-out windows of the training format that
