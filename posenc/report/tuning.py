@@ -57,6 +57,7 @@ TASK_NOTE = (
 # split at 1×; 8 × 4 df); for a task, the final validation loss over the tuned recall study's schemes that learned it,
 # 5 seeds each (docs/results/recall-offset-tuned.md: ALiBi, FIRE, KERPLE-log, T5; 4 × 4 df).
 SEED_SPREAD = {"text": (0.0049, 32), "task": (0.0102, 16)}
+REFERENCE = {"text": "the comparison's five seeds", "task": "the tuned recall study's five seeds"}
 TIED_SEEDS = 3  # seeds every tied point needs before a choice among them counts as resolved
 TIES = "tune_ties"  # the sweep (-cn, and its overrides) that runs a tied point at more seeds; a study may name its own
 RULE = (
@@ -176,18 +177,19 @@ def tuning_section(results: Sequence[dict[str, Any]], ties: str = TIES) -> list[
     selection = select(results)
     if not selection:
         return ["", "## Tuning", "", "No run was evaluated at its training length on the validation split."]
-    spread, free = SEED_SPREAD[reference(results)]
-    whose = "the tuned recall study's five seeds" if reference(results) == "task" else "the comparison's five seeds"
+    kind = reference(results)
+    spread, free = SEED_SPREAD[kind]
     lines = [
         "",
         "## Tuning: one grid for every scheme, selected on validation",
         "",
-        f"Selection rule: {RULE}. σ: the reference is {whose} (σ = {spread:.4f} nats, {free} df), pooled with each "
-        "scheme's points of several seeds; the table gives each scheme's σ, its df and the width within which two of "
+        f"Selection rule: {RULE}. σ: the reference is {REFERENCE[kind]} (σ = {spread:.4f} nats, {free} df), "
+        "pooled with each scheme's points of several seeds; the table gives each scheme's σ, its df and the width "
+        "within which two of "
         f"its points of one seed each tie (of {TIED_SEEDS} seeds each: {math.sqrt(1 / TIED_SEEDS):.2f} of it). "
         f"A choice is resolved when every tied point has {TIED_SEEDS} seeds. Cells: in-length validation perplexity "
         "(mean over seeds, n beside a cell of more than one); ◆ the selected point. A scheme without parameters has "
-        "one multiplier." + (TASK_NOTE if reference(results) == "task" else ""),
+        "one multiplier." + (TASK_NOTE if kind == "task" else ""),
         "",
         "| scheme | selected lr | selected multiplier | in-length val. ppl | margin to the next point (nats) "
         "| σ (df) | tie width, one seed each | tied points (seeds) | resolved |",
