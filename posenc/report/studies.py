@@ -205,6 +205,7 @@ STUDIES = {
         "for run in outputs/sweeps/mqar_offset_layouts/{irope,swan}-*; do s=$(case $run in *irope*) echo llama4;; "
         "*) echo log_n;; esac); python -m posenc.evaluate $run eval.attention_scale=$s; done",
         "outputs/sweeps/mqar_offset_layouts",
+        references=(*DEFAULT_REFERENCES, "* · llama4", "* · log_n"),  # as the layouts study: each scaling vs none
     ),
     "ruler-tasks": Study(
         "Two RULER tasks, multikey and variable tracking (one seed)",
