@@ -13,13 +13,17 @@ seeds and documents independently counts the interaction three times instead of 
 wide; a t-interval over seed means leaves the documents out, so its intervals are too narrow where documents
 matter. Both are replaced by this.
 
-Three refinements, each measured by simulation (``tests/test_crossed.py``):
+Four refinements, each measured by simulation (``tests/test_crossed.py``):
 
 - a main effect whose mean square does not exceed the interaction's at the 25% level is pooled into it, the
   "sometimes pool" rule of Bozivich, Bancroft and Hartley (1956): the difference of two noisy mean squares otherwise
   dominates the estimate where the interaction does, and truncating a negative component at zero biases it upward;
 - the degrees of freedom are capped by each kept main effect's own (``_components``), since an estimated df is
   largest where that effect's mean square came out small, which made the tails too light for a Holm family;
+- a main effect of fewer than four degrees of freedom (two to four seeds: a recall column's seeds that learned) is
+  never pooled, and its df cap takes its share as at least one half: one to three degrees of freedom cannot tell a
+  small effect from a mean square that came out small, and pooling or trusting the df it implies covered 86–89% at
+  two seeds; so the interval errs wide there (up to 3× where documents or the interaction dominate, at two seeds);
 - per-document sums with unequal tokens are linearised as a ratio estimator is (the value per token of document d,
   weighted by its share of the tokens), so the estimate is the pooled loss per token.
 
@@ -43,6 +47,8 @@ ALPHA = 0.05
 POWER = 0.8  # the power a minimal detectable difference is stated at
 POOL_LEVEL = 0.25  # a main effect not significant against the interaction at this level is pooled into it
 SHARE_FLOOR = 0.05  # the smallest share of the variance a kept main effect is taken to carry, in its df cap
+FEW = 4  # a main effect of fewer degrees of freedom (under five seeds) is never pooled (module docstring)
+FEW_SHARE_FLOOR = 0.5  # ... and the share such an effect is taken to carry, in its df cap, is at least this
 CROSSED, DOCUMENTS_ONLY, SEEDS_ONLY = "crossed", "documents only", "seeds only"
 SEPARATED, EQUIVALENT, INCONCLUSIVE = "separated", "equivalent", "inconclusive"
 
@@ -124,6 +130,8 @@ def _components(y: np.ndarray) -> Estimate:
     for name in ("seed", "document"):
         if squares["interaction"] == 0:  # no interaction at all: an effect is kept exactly when it varies
             pool = squares[name] == 0
+        elif free[name] < FEW:  # too few degrees of freedom to tell a small effect from a noisy one
+            pool = False
         else:
             pool = stats.f.sf(squares[name] / squares["interaction"], free[name], free["interaction"]) >= POOL_LEVEL
         if pool:
@@ -141,7 +149,8 @@ def _components(y: np.ndarray) -> Estimate:
     # family of seven at 7% (measured). A kept main effect with f degrees of freedom carrying a share w of the
     # variance caps them at f / √w (Satterthwaite's own value would be f / w² were w known): calibrated by the
     # simulations of tests/test_crossed.py, which it brings to 94–96.5% coverage and a family-wise error of 4%.
-    shares = {name: max(SHARE_FLOOR, (squares[name] - residual) / total) for name in kept}
+    floor = {name: FEW_SHARE_FLOOR if free[name] < FEW else SHARE_FLOOR for name in kept}
+    shares = {name: max(floor[name], (squares[name] - residual) / total) for name in kept}
     df = min([df, *(free[name] / math.sqrt(shares[name]) for name in kept)])
     return Estimate(float(grand), math.sqrt(total / y.size), float(df), seeds, units, CROSSED, tuple(pooled))
 
