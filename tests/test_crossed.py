@@ -31,17 +31,25 @@ SIMULATIONS = 4000
 SEEDS, DOCUMENTS = 5, 24  # the comparison's five seeds; its test split's 24 documents
 
 
-def _seed_effects(rng: np.random.Generator, sd: float, skewed: bool) -> np.ndarray:
+def _seed_effects(rng: np.random.Generator, sd: float, skewed: bool, seeds: int) -> np.ndarray:
     if not skewed:
-        return rng.normal(0, sd, SEEDS)
-    return (rng.gamma(4.0, 1.0, SEEDS) - 4.0) / 2.0 * sd  # skewness 1, mean 0, sd ``sd``
+        return rng.normal(0, sd, seeds)
+    return (rng.gamma(4.0, 1.0, seeds) - 4.0) / 2.0 * sd  # skewness 1, mean 0, sd ``sd``
 
 
-def _draw(rng: np.random.Generator, seed_sd: float, document_sd: float, interaction_sd: float, skewed: bool = False):
-    a = _seed_effects(rng, seed_sd, skewed)
-    return (
-        a[:, None] + rng.normal(0, document_sd, DOCUMENTS)[None, :] + rng.normal(0, interaction_sd, (SEEDS, DOCUMENTS))
-    )
+def _draw(
+    rng: np.random.Generator,
+    seed_sd: float,
+    document_sd: float,
+    interaction_sd: float,
+    skewed: bool = False,
+    seeds: int = SEEDS,
+    documents: int = DOCUMENTS,
+) -> np.ndarray:
+    """Seed by document differences, true mean zero: seed, document and interaction effects at the given spreads."""
+    a = _seed_effects(rng, seed_sd, skewed, seeds)
+    b = rng.normal(0, document_sd, documents)
+    return a[:, None] + b[None, :] + rng.normal(0, interaction_sd, (seeds, documents))
 
 
 SCENARIOS = {  # (seed, document, interaction) standard deviations, skewed seeds
@@ -74,10 +82,8 @@ def _recall_difference(rng: np.random.Generator, seeds: int, windows: int) -> np
 
 
 FEW_SEEDS = {  # the learned seeds of a recall column can be two to four; 256 windows
-    "all three alike": lambda rng, s: rng.normal(0, 1, s)[:, None] + rng.normal(0, 1, 24) + rng.normal(0, 1, (s, 24)),
-    "windows, seeds dominate": lambda rng, s: (
-        rng.normal(0, 0.02, s)[:, None] + rng.normal(0, 0.05, 256) + rng.normal(0, 0.1, (s, 256))
-    ),
+    "all three alike": lambda rng, s: _draw(rng, 1.0, 1.0, 1.0, seeds=s),
+    "windows, seeds dominate": lambda rng, s: _draw(rng, 0.02, 0.05, 0.1, seeds=s, documents=256),
     "recall accuracy": lambda rng, s: _recall_difference(rng, s, 256),
 }
 
