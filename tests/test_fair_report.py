@@ -239,3 +239,12 @@ def test_a_swap_with_one_seed_at_a_budget_is_not_called_separated() -> None:
     line = next(line for line in budget_tables(results) if line.startswith("- 1×"))
     assert "no interval: a scheme has 1 seed at a budget" in line
     assert "alibi and nope (too few shared seeds to test at 2400 steps)" in line
+
+
+def test_a_budget_below_a_tenth_of_a_token_a_parameter_is_not_said_as_zero() -> None:
+    def run(tokens_per_parameter: float) -> dict:
+        return {"eval": {"split": "validation"}, "budget": {"tokens_per_parameter": tokens_per_parameter}}
+
+    assert scored_on({"alibi": [run(0.0123)]}).endswith("trained for 0.012 tokens a parameter.")
+    both = scored_on({"alibi": [run(0.0123)], "nope": [run(28.04)]})
+    assert both.endswith("trained for 0.012–28 tokens a parameter.")

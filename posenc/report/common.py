@@ -298,6 +298,11 @@ def _ranges(seeds: Sequence[Any]) -> str:
     return ", ".join(f"{run[0]}–{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in parts)
 
 
+def _shown_budget(tokens_per_parameter: float) -> float:
+    """One decimal, as every study's budget reads; two significant figures below it, so a demo's budget is not 0."""
+    return round(tokens_per_parameter, 1) if tokens_per_parameter >= 0.05 else float(f"{tokens_per_parameter:.2g}")
+
+
 def scored_on(by_label: Columns) -> str:
     """The split the cells were scored on and the budget the columns trained for, in tokens a parameter.
 
@@ -307,7 +312,7 @@ def scored_on(by_label: Columns) -> str:
     runs = [run for found in by_label.values() for run in found]
     text = [run for run in runs if not run.get("trained_task")]
     splits = sorted({str((run.get("eval") or {}).get("split") or "validation") for run in text})
-    budgets = sorted({round(run["budget"]["tokens_per_parameter"], 1) for run in runs if run.get("budget")})
+    budgets = sorted({_shown_budget(run["budget"]["tokens_per_parameter"]) for run in runs if run.get("budget")})
     scored = [f"the {' and '.join(splits)} split"] if splits else []
     if len(text) < len(runs):
         scored.append(GENERATED_WINDOWS)
